@@ -1,0 +1,25 @@
+# Two entry points, both working on a fresh machine with no GPU:
+#   make demo   -- the embedded demo (lands with the cluster issue)
+#   make test   -- install everything into .venv and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch, pinned, goes in first: an unpinned torch would pull a
+# multi-GB CUDA build. The package itself asks only for torch>=2.4.
+TORCH_CPU ?= torch==2.13.0
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: install test demo
+install: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+demo: $(VENV)/.installed
+	$(PY) -m lora_core.demo

@@ -1,0 +1,155 @@
+"""Punica kernel benchmark on Llama-3-8B shapes (GPU).
+
+For each layer shape x rank x T x popularity: check our Triton shrink+expand
+against the torch reference, then time
+  ours   -- add_lora_linear captured in a CUDA graph, replayed with L2 flushed
+            between replays (decode reads cold adapter weights);
+  torch  -- the plain-torch reference, eager (it reads slots back to the host,
+            so it cannot be captured), L2 flushed the same way;
+  roof   -- minimum bytes (distinct adapters' A and B at their rank, x, y read
+            and written) over the device-to-device copy bandwidth measured in
+            this run;
+  floor  -- a one-kernel CUDA graph replayed the same way (launch floor).
+Prints a table with ratios and writes CSV to $OUT (or bench/out).
+
+    python bench/kernels.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lora_core.mapping import LoRAMapping  # noqa: E402
+from lora_core.punica import PunicaWrapper  # noqa: E402
+from tests.lora_core.punica_cases import stacked_weights, token_slots  # noqa: E402
+
+SHAPES = {  # name: (in features, output slices)
+    "qkv": (4096, (4096, 1024, 1024)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+RANKS = (16, 64)
+POPULARITY = ("identical", "uniform", "distinct")
+NUM_SLOTS = 64
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second for a 1 GiB device-to-device copy."""
+    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+@triton.jit
+def _noop(ptr):
+    tl.store(ptr, 1.0)
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_graph(graph: torch.cuda.CUDAGraph) -> float:
+    """Median microseconds per replay; do_bench clears L2 before each replay."""
+    return 1e3 * do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
+
+
+def min_bytes(num_tokens: int, hidden: int, slices: tuple[int, ...], rank: int, adapters: int, esize: int) -> int:
+    weights = adapters * rank * (hidden * len(slices) + sum(slices))
+    return esize * (weights + num_tokens * hidden + 2 * num_tokens * sum(slices))
+
+
+def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw: float, floor_us: float):
+    hidden, slices = SHAPES[shape]
+    g = torch.Generator().manual_seed(hash((shape, rank, num_tokens, popularity)) % 2**31)
+    a, b, ranks = stacked_weights(NUM_SLOTS, rank, hidden, slices, [rank], dtype, "cuda", g)
+    slots = token_slots(num_tokens, NUM_SLOTS, popularity, g)
+    ids = list(range(1, NUM_SLOTS + 1))
+    mapping = LoRAMapping([ids[s] for s in slots], [ids[slots[0]]], num_tokens > 1)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
+    y = torch.randn(num_tokens, sum(slices), device="cuda", dtype=dtype)
+    ours = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="triton")
+    ref = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="torch")
+    for w in (ours, ref):
+        w.update_metadata(mapping, ids)
+
+    got, want = y.clone(), y.float()
+    ours.add_lora_linear(got, x, a, b, None, 1.0, slices, ranks)
+    ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 1.0, slices, ranks)
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+
+    graph = graph_of(lambda: ours.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks))
+    ours_us = time_graph(graph)
+    torch_us = 1e3 * do_bench(lambda: ref.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks),
+                              warmup=3, rep=30, return_mode="median")
+    adapters = len(set(slots))
+    roof_us = 1e6 * min_bytes(num_tokens, hidden, slices, rank, adapters, x.element_size()) / bw
+    del graph
+    return dict(shape=shape, rank=rank, T=num_tokens, popularity=popularity, adapters=adapters,
+                ours_us=ours_us, torch_us=torch_us, roof_us=roof_us, floor_us=floor_us,
+                bw_frac=roof_us / ours_us, vs_torch=torch_us / ours_us, vs_floor=ours_us / floor_us,
+                rel_err=err)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    flag = torch.zeros(1, device="cuda")
+    floor_us = time_graph(graph_of(lambda: _noop[(1,)](flag)))
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "
+          f"one-kernel graph floor {floor_us:.2f} us  dtype {args.dtype}")
+    tokens = (1, 64, 1024) if args.quick else TOKENS
+    rows = []
+    header = (f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}{'#ad':>4}{'ours us':>10}{'torch us':>10}"
+              f"{'roof us':>9}{'%bw':>6}{'x torch':>8}{'x floor':>8}{'relerr':>9}")
+    print(header)
+    for shape in SHAPES:
+        for rank in RANKS:
+            for t in tokens:
+                for pop in POPULARITY:
+                    r = run_case(shape, rank, t, pop, dtype, bw, floor_us)
+                    rows.append(r)
+                    print(f"{shape:8}{rank:>4}{t:>6} {pop:10}{r['adapters']:>4}{r['ours_us']:>10.2f}"
+                          f"{r['torch_us']:>10.1f}{r['roof_us']:>9.2f}{100 * r['bw_frac']:>5.0f}%"
+                          f"{r['vs_torch']:>8.1f}{r['vs_floor']:>8.2f}{r['rel_err']:>9.1e}", flush=True)
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"kernels_{args.dtype}.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    worst = max(r["rel_err"] for r in rows)
+    slower = [r for r in rows if r["vs_torch"] < 1.0]
+    print(f"max rel err {worst:.2e}; cases slower than torch: {len(slower)} of {len(rows)}")
+    if not math.isfinite(worst) or worst > 2e-2:
+        sys.exit("correctness check failed")
+
+
+if __name__ == "__main__":
+    main()

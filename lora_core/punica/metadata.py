@@ -1,0 +1,110 @@
+"""Per-step kernel metadata: tokens grouped by adapter slot, cut into M-tiles.
+
+Built once per model step (update_metadata) and read by every LoRA layer of
+that step. Everything is computed on the device into buffers allocated once,
+so building it never waits for the GPU and a decode step can be captured in a
+CUDA graph.
+
+Layout, for T tokens with slots s[0..T) (-1 = no adapter):
+    sorted_idx [T]        token indices ordered by slot (stable); the -1
+                          tokens come first and are never referenced
+    tile_lora  [max_tiles] slot of each M-tile, -1 past the last real tile
+    tile_start [max_tiles] first position in sorted_idx covered by the tile
+    tile_end   [max_tiles] end of that slot's run in sorted_idx
+A tile holds up to block_m tokens of one slot, so the kernels never mix two
+adapters in one tl.dot (SGMV). max_tiles bounds sum_l ceil(c_l / block_m) by
+ceil(T / block_m) + min(T, L) - 1 whatever the popularity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def choose_block_m(num_tokens: int) -> int:
+    """Rows per tile: small for decode (one token per adapter is common), larger for prefill."""
+    if num_tokens <= 128:
+        return 16
+    if num_tokens <= 1024:
+        return 32
+    return 64
+
+
+def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
+    return max(1, -(-num_tokens // block_m) + min(num_tokens, num_slots) - 1)
+
+
+class PunicaMetadata:
+    """Slot mapping of one kind of row (all tokens, or the sampled rows) for one step."""
+
+    def __init__(self, max_rows: int, num_slots: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.num_slots = num_slots
+        self.device = device
+        int32 = dict(dtype=torch.int32, device=device)
+        worst_tiles = max_tiles(max_rows, num_slots, 16)
+        self._slots = torch.full((max_rows,), -1, **int32)
+        self._sorted_idx = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self._tile_lora = torch.full((worst_tiles,), -1, **int32)
+        self._tile_start = torch.zeros(worst_tiles, **int32)
+        self._tile_end = torch.zeros(worst_tiles, **int32)
+        self._counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+        self._tile_ids = torch.arange(worst_tiles, dtype=torch.int64, device=device)
+        self.num_rows = 0
+        self.block_m = 16
+        self.max_tiles = 1
+
+    def update(self, slots: torch.Tensor) -> None:
+        """Take this step's slot per row (int32 on the device, -1 = none) and derive the tiles."""
+        n = slots.shape[0]
+        if n > self.max_rows:
+            raise ValueError(f"{n} rows exceed the {self.max_rows} this PunicaWrapper was sized for")
+        self.num_rows = n
+        self.block_m = choose_block_m(n)
+        self.max_tiles = max_tiles(n, self.num_slots, self.block_m)
+        if n == 0:
+            return
+        self._slots[:n].copy_(slots, non_blocking=True)
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Recompute tiles from the slots already in the buffer (device work only)."""
+        n, bm, L = self.num_rows, self.block_m, self.num_slots
+        slots = self._slots[:n]
+        order = torch.sort(slots, stable=True).indices
+        self._sorted_idx[:n].copy_(order)
+        bins = (slots.long() + 1).clamp_(0, L)
+        counts = self._counts.zero_().scatter_add_(0, bins, torch.ones_like(bins))
+        ends = torch.cumsum(counts, 0)  # bin b (slot b-1) occupies [ends[b]-counts[b], ends[b])
+        starts = ends - counts
+        tiles_per_slot = (counts[1:] + bm - 1) // bm
+        tile_cum = torch.cumsum(tiles_per_slot, 0)
+        ids = self._tile_ids[: self.max_tiles]
+        slot = torch.searchsorted(tile_cum, ids, right=True)
+        valid = slot < L
+        slot = slot.clamp_(max=L - 1)
+        first_tile = tile_cum[slot] - tiles_per_slot[slot]
+        start = starts[slot + 1] + (ids - first_tile) * bm
+        self._tile_lora[: self.max_tiles].copy_(torch.where(valid, slot, -1))
+        self._tile_start[: self.max_tiles].copy_(start)
+        self._tile_end[: self.max_tiles].copy_(ends[slot + 1])
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self._slots[: self.num_rows]
+
+    @property
+    def sorted_idx(self) -> torch.Tensor:
+        return self._sorted_idx[: self.num_rows]
+
+    @property
+    def tile_lora(self) -> torch.Tensor:
+        return self._tile_lora[: self.max_tiles]
+
+    @property
+    def tile_start(self) -> torch.Tensor:
+        return self._tile_start[: self.max_tiles]
+
+    @property
+    def tile_end(self) -> torch.Tensor:
+        return self._tile_end[: self.max_tiles]

@@ -1,0 +1,119 @@
+"""Punica Triton kernels: multi-slice SGMV shrink and expand over slot-sorted tiles.
+
+Each program owns one M-tile (up to BLOCK_M tokens of ONE adapter slot, see
+metadata.py), so an adapter's weights are read once per tile instead of once
+per token, and decode batches where every token has its own adapter reduce to
+BGMV (one token per tile). Rows of A and columns of B past the slot's real
+rank are masked, so a low-rank adapter in a slot sized for max_lora_rank costs
+no extra bandwidth. Only Triton features present in 3.0 are used.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_rows(sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M: tl.constexpr):
+    lora = tl.load(tile_lora_ptr + tile)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    offs = start + tl.arange(0, BLOCK_M)
+    m_mask = offs < end
+    tok = tl.load(sorted_ptr + offs, mask=m_mask, other=0)
+    return lora, tok, m_mask
+
+
+@triton.jit
+def shrink_kernel(
+    x_ptr, a_ptr, out_ptr, ranks_ptr,
+    sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr,
+    K, scale,
+    sx_t, sx_k,
+    sa_s, sa_l, sa_r, sa_k,
+    so_split, so_s, so_t, so_r,
+    sr_s,
+    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """out[split, s, tok, :R] (+)= scale * x[tok, k-range] @ A[s, slot, :rank, k-range]^T."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    s = tl.program_id(2)
+    lora = tl.load(tile_lora_ptr + tile)
+    if lora < 0:
+        return
+    lora, tok, m_mask = _tile_rows(sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
+    rank = tl.load(ranks_ptr + s * sr_s + lora)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    k_chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    x_rows = x_ptr + tok[:, None].to(tl.int64) * sx_t
+    a_rows = a_ptr + s.to(tl.int64) * sa_s + lora.to(tl.int64) * sa_l + offs_r[None, :] * sa_r
+    if rank > 0:
+        for k in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            xt = tl.load(x_rows + offs_k[None, :] * sx_k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_rows + offs_k[:, None] * sa_k, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            acc += tl.dot(xt, at)
+    acc = acc * scale
+    out_ptrs = (out_ptr + split * so_split + s * so_s + tok[:, None].to(tl.int64) * so_t
+                + offs_r[None, :] * so_r)
+    o_mask = m_mask[:, None] & (offs_r[None, :] < R)
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=o_mask, other=0.0)
+    tl.store(out_ptrs, acc, mask=o_mask)
+
+
+@triton.jit
+def expand_kernel(
+    buf_ptr, b_ptr, y_ptr, ranks_ptr, slice_off_ptr, bias_ptr,
+    sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr,
+    y_col_offset,
+    sb_split, sb_s, sb_t, sb_r,
+    sw_l, sw_n, sw_r,
+    sy_t, sy_n,
+    sr_s, sbias_l,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr,
+):
+    """y[tok, off + n-range] (+)= sum_split buf[split, s, tok, :rank] @ B[slot, n-range, :rank]^T (+ bias)."""
+    tile = tl.program_id(0)
+    n_tile = tl.program_id(1)
+    s = tl.program_id(2)
+    lora = tl.load(tile_lora_ptr + tile)
+    if lora < 0:
+        return
+    n_lo = tl.load(slice_off_ptr + s)
+    n_hi = tl.load(slice_off_ptr + s + 1)
+    n0 = n_lo + n_tile * BLOCK_N
+    if n0 >= n_hi:
+        return
+    lora, tok, m_mask = _tile_rows(sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
+    rank = tl.load(ranks_ptr + s * sr_s + lora)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_hi
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if rank > 0:
+        xb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        buf_ptrs = buf_ptr + s * sb_s + tok[:, None].to(tl.int64) * sb_t + offs_r[None, :] * sb_r
+        for sp in range(SPLIT_K):
+            xb += tl.load(buf_ptrs + sp * sb_split, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        w = tl.load(b_ptr + lora.to(tl.int64) * sw_l + offs_n[None, :].to(tl.int64) * sw_n + offs_r[:, None] * sw_r,
+                    mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(xb.to(w.dtype), w)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + lora.to(tl.int64) * sbias_l + offs_n, mask=n_mask, other=0.0)
+        acc += bias[None, :].to(tl.float32)
+    y_ptrs = y_ptr + tok[:, None].to(tl.int64) * sy_t + (y_col_offset + offs_n[None, :]) * sy_n
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if ADD_INPUTS:
+        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)

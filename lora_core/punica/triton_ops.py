@@ -1,0 +1,73 @@
+"""Launchers for the Triton punica kernels (same semantics as torch_ops).
+
+Tile sizes are picked from host-side shapes only (never from device values),
+so a launch never waits for the GPU and the same launch can be replayed from
+a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lora_core.punica.metadata import PunicaMetadata
+from lora_core.punica.triton_kernels import expand_kernel, shrink_kernel
+
+# Enough programs to keep every SM of an H100/H200 streaming weights.
+_TARGET_PROGRAMS = 1024
+
+
+def _block_r(rank: int) -> int:
+    return max(16, 1 << (rank - 1).bit_length())
+
+
+def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int) -> tuple[int, int]:
+    """(BLOCK_K, SPLIT_K) for a shrink: split H so decode launches fill the GPU."""
+    block_k = 128 if _block_r(rank) >= 64 else 256
+    k_blocks = max(1, -(-hidden // block_k))
+    programs = meta.max_tiles * num_slices
+    split_k = max(1, min(k_blocks, -(-_TARGET_PROGRAMS // programs), 32))
+    return block_k, split_k
+
+
+def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor,
+           meta: PunicaMetadata, scale: float, accumulate: bool, split_k: int, block_k: int) -> None:
+    """out [split_k, S, T, R] fp32 (+)= scale * x [T, H] @ lora_a [S, L, R, H]^T (partials per K split)."""
+    num_slices, _, rank, hidden = lora_a.shape
+    if meta.num_rows == 0:
+        return
+    grid = (meta.max_tiles, split_k, num_slices)
+    shrink_kernel[grid](
+        x, lora_a, out, ranks,
+        meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end,
+        hidden, float(scale),
+        x.stride(0), x.stride(1),
+        *lora_a.stride(),
+        *out.stride(),
+        ranks.stride(0),
+        R=rank, BLOCK_M=meta.block_m, BLOCK_R=_block_r(rank), BLOCK_K=block_k,
+        SPLIT_K=split_k, ACCUMULATE=accumulate,
+        num_warps=4, num_stages=3,
+    )
+
+
+def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
+           slice_offsets: torch.Tensor, max_slice: int, meta: PunicaMetadata, offset_start: int,
+           bias: torch.Tensor | None, add_inputs: bool) -> None:
+    """y[:, offset_start + slice] (+)= sum over splits of buf [split, S, T, R] @ lora_b [L, N, R]^T."""
+    split_k, num_slices, _, rank = buf.shape
+    if meta.num_rows == 0:
+        return
+    block_n = 128 if meta.block_m <= 32 else 64
+    grid = (meta.max_tiles, -(-max_slice // block_n), num_slices)
+    expand_kernel[grid](
+        buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b,
+        meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end,
+        offset_start,
+        *buf.stride(),
+        *lora_b.stride(),
+        y.stride(0), y.stride(1),
+        ranks.stride(0), bias.stride(0) if bias is not None else 0,
+        BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=_block_r(rank),
+        SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs,
+        num_warps=4, num_stages=2,
+    )
