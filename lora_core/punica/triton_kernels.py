@@ -15,14 +15,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile_rows(sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M: tl.constexpr):
-    lora = tl.load(tile_lora_ptr + tile)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
+def _tile(tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile):
+    # Three independent loads issued together: on a cold L2 every extra level
+    # of dependent loads costs a DRAM round trip, which is most of a decode op.
+    return tl.load(tile_lora_ptr + tile), tl.load(tile_start_ptr + tile), tl.load(tile_end_ptr + tile)
+
+
+@triton.jit
+def _tile_tokens(sorted_ptr, start, end, BLOCK_M: tl.constexpr):
     offs = start + tl.arange(0, BLOCK_M)
     m_mask = offs < end
     tok = tl.load(sorted_ptr + offs, mask=m_mask, other=0)
-    return lora, tok, m_mask
+    return tok, m_mask
 
 
 @triton.jit
@@ -41,11 +45,12 @@ def shrink_kernel(
     tile = tl.program_id(0)
     split = tl.program_id(1)
     s = tl.program_id(2)
-    lora = tl.load(tile_lora_ptr + tile)
+    lora, start, end = _tile(tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile)
     if lora < 0:
         return
-    lora, tok, m_mask = _tile_rows(sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
-    rank = tl.load(ranks_ptr + s * sr_s + lora)
+    tok, m_mask = _tile_tokens(sorted_ptr, start, end, BLOCK_M)
+    # ranks hold the adapter's full rank; a fully-sharded A holds only R rows of it.
+    rank = tl.minimum(tl.load(ranks_ptr + s * sr_s + lora), R)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     k_chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
@@ -79,41 +84,46 @@ def expand_kernel(
     sw_l, sw_n, sw_r,
     sy_t, sy_n,
     sr_s, sbias_l,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr,
 ):
-    """y[tok, off + n-range] (+)= sum_split buf[split, s, tok, :rank] @ B[slot, n-range, :rank]^T (+ bias)."""
+    """y[tok, off + n] (+)= sum_split buf[split, s, tok, :rank] @ B[slot, n, :rank]^T (+ bias).
+
+    A program covers N_PER_PROG columns of one slice in BLOCK_N steps, so the
+    B tiles stream through a software pipeline after one metadata look-up.
+    """
     tile = tl.program_id(0)
-    n_tile = tl.program_id(1)
+    chunk = tl.program_id(1)
     s = tl.program_id(2)
-    lora = tl.load(tile_lora_ptr + tile)
-    if lora < 0:
-        return
+    lora, start, end = _tile(tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile)
     n_lo = tl.load(slice_off_ptr + s)
     n_hi = tl.load(slice_off_ptr + s + 1)
-    n0 = n_lo + n_tile * BLOCK_N
-    if n0 >= n_hi:
+    if lora < 0:
         return
-    lora, tok, m_mask = _tile_rows(sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
+    n_begin = n_lo + chunk * N_PER_PROG
+    if n_begin >= n_hi:
+        return
+    n_end = tl.minimum(n_begin + N_PER_PROG, n_hi)
+    tok, m_mask = _tile_tokens(sorted_ptr, start, end, BLOCK_M)
     rank = tl.load(ranks_ptr + s * sr_s + lora)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_hi
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if rank > 0:
-        xb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        buf_ptrs = buf_ptr + s * sb_s + tok[:, None].to(tl.int64) * sb_t + offs_r[None, :] * sb_r
-        for sp in range(SPLIT_K):
-            xb += tl.load(buf_ptrs + sp * sb_split, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        w = tl.load(b_ptr + lora.to(tl.int64) * sw_l + offs_n[None, :].to(tl.int64) * sw_n + offs_r[:, None] * sw_r,
-                    mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(xb.to(w.dtype), w)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + lora.to(tl.int64) * sbias_l + offs_n, mask=n_mask, other=0.0)
-        acc += bias[None, :].to(tl.float32)
-    y_ptrs = y_ptr + tok[:, None].to(tl.int64) * sy_t + (y_col_offset + offs_n[None, :]) * sy_n
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    if ADD_INPUTS:
-        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    xb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    buf_ptrs = buf_ptr + s * sb_s + tok[:, None].to(tl.int64) * sb_t + offs_r[None, :] * sb_r
+    for sp in range(SPLIT_K):
+        xb += tl.load(buf_ptrs + sp * sb_split, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    b_rows = b_ptr + lora.to(tl.int64) * sw_l + offs_r[:, None] * sw_r
+    y_rows = y_ptr + tok[:, None].to(tl.int64) * sy_t
+    for n in range(n_begin, n_end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        y_ptrs = y_rows + (y_col_offset + offs_n[None, :]) * sy_n
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        w = tl.load(b_rows + offs_n[None, :].to(tl.int64) * sw_n, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(xb.to(w.dtype), w)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + lora.to(tl.int64) * sbias_l + offs_n, mask=n_mask, other=0.0)
+            acc += bias[None, :].to(tl.float32)
+        if ADD_INPUTS:
+            acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)

@@ -29,6 +29,15 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int)
     return block_k, split_k
 
 
+def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tuple[int, int]:
+    """(BLOCK_N, N_PER_PROG): enough programs to fill the GPU, each streaming several B tiles."""
+    block_n = 128 if meta.block_m <= 32 else 64
+    n_blocks = -(-max_slice // block_n)
+    programs = meta.max_tiles * num_slices
+    chunks = max(1, min(n_blocks, -(-2 * _TARGET_PROGRAMS // programs)))
+    return block_n, block_n * -(-n_blocks // chunks)
+
+
 def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor,
            meta: PunicaMetadata, scale: float, accumulate: bool, split_k: int, block_k: int) -> None:
     """out [split_k, S, T, R] fp32 (+)= scale * x [T, H] @ lora_a [S, L, R, H]^T (partials per K split)."""
@@ -57,8 +66,8 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
     split_k, num_slices, _, rank = buf.shape
     if meta.num_rows == 0:
         return
-    block_n = 128 if meta.block_m <= 32 else 64
-    grid = (meta.max_tiles, -(-max_slice // block_n), num_slices)
+    block_n, n_per_prog = expand_config(meta, max_slice, num_slices)
+    grid = (meta.max_tiles, -(-max_slice // n_per_prog), num_slices)
     expand_kernel[grid](
         buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b,
         meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end,
@@ -67,7 +76,7 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
         *lora_b.stride(),
         y.stride(0), y.stride(1),
         ranks.stride(0), bias.stride(0) if bias is not None else 0,
-        BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=_block_r(rank),
+        BLOCK_M=meta.block_m, BLOCK_N=block_n, N_PER_PROG=n_per_prog, BLOCK_R=_block_r(rank),
         SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=3,
     )

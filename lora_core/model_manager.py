@@ -1,0 +1,321 @@
+"""LoRAModelManager: adapters in the host LRU and in the GPU slots of one replica rank.
+
+Two tiers. The host tier (HostLRUCache, ``max_cpu_loras`` entries) holds each
+registered adapter already prepared for this rank's slots: scaling folded
+into B, sub-modules grouped per packed layer, cut for (tp_rank, tp_size) by
+tp.py, transposed to the slot layout, cast to the slot dtype and, on CUDA, in
+pinned memory, so activating it is a handful of non-blocking copies. The GPU
+tier is one LoRASlotBuffers per LoRA-able layer with ``max_loras`` slots,
+allocated once here so serving never allocates.
+
+Mixed ranks: every slot is sized for max_lora_rank and a smaller adapter is
+zero-padded. That costs memory only (each slot takes max_lora_rank rows
+whatever the adapter's rank); it costs no bandwidth or compute beyond the real
+rank, because ``ranks[s, slot]`` holds the real rank and kernels mask by it.
+
+Eviction never takes a pinned adapter nor one the running batch uses; every
+operation checks that it can succeed (adapter valid, enough slots freeable)
+before it changes anything, so a failure leaves slots and LRU order intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from lora_core.config import LoRAConfig
+from lora_core.errors import (AdapterShapeError, LoRACapacityError, LoRAConfigError, RankTooLargeError,
+                              UnknownLoRAError, UnknownTargetModuleError, UnsupportedAdapterError)
+from lora_core.host_cache import HostLRUCache
+from lora_core.layer_weights import LoRALayerWeights
+from lora_core.lora_model import LoRAModel
+from lora_core.mapping import LoRAMapping
+from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
+from lora_core.slot_buffers import LoRASlotBuffers
+from lora_core.tp import LocalDims, local_dims, local_rank, shard_lora_a, shard_lora_b, shard_lora_bias
+
+
+@dataclass
+class _SliceWrite:
+    """One sub-module's local tensors, already in slot orientation."""
+
+    index: int                  # output slice
+    a: torch.Tensor             # [r_a, in] (embedding: [vocab, r])
+    b: torch.Tensor             # [out_slice, r]
+    b_offset: int               # where the slice starts in lora_b's out dim
+    bias: torch.Tensor | None   # [out_slice]
+
+
+@dataclass
+class _HostAdapter:
+    id: int
+    rank: int
+    modules: dict[str, tuple[torch.Tensor, list[_SliceWrite]]]  # spec name -> (ranks [S] int32, writes)
+
+
+class LoRAModelManager:
+    def __init__(self, specs: list[LoRAModuleSpec], lora_config: LoRAConfig, device: torch.device | str,
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.config = lora_config
+        self.device = torch.device(device)
+        self.dtype = lora_config.slot_dtype(dtype)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.specs: dict[str, LoRAModuleSpec] = {}
+        self._targets: dict[str, tuple[str, int]] = {}  # PEFT module name -> (spec name, slice)
+        for spec in specs:
+            if spec.name in self.specs:
+                raise LoRAConfigError(f"two LoRA module specs are named {spec.name!r}")
+            self.specs[spec.name] = spec
+            for index, sub in enumerate(spec.sub_module_names()):
+                if sub in self._targets:
+                    raise LoRAConfigError(f"module {sub!r} is packed into two LoRA module specs")
+                self._targets[sub] = (spec.name, index)
+        self._dims = {name: local_dims(spec, tp_rank, tp_size, lora_config.max_lora_rank,
+                                       lora_config.fully_sharded_loras) for name, spec in self.specs.items()}
+        self._buffers = {name: self._allocate(spec, self._dims[name]) for name, spec in self.specs.items()}
+        self._pin_host = self.device.type == "cuda" and torch.cuda.is_available()
+        self._slots: list[int | None] = [None] * lora_config.max_loras
+        self._active: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
+        self._running: frozenset[int] = frozenset()
+        self._host: HostLRUCache[int, _HostAdapter] = HostLRUCache(
+            lora_config.max_cpu_loras, can_evict=lambda i: i not in self._running, on_evict=self._on_host_evict)
+
+    def _allocate(self, spec: LoRAModuleSpec, dims: LocalDims) -> LoRASlotBuffers:
+        n = self.config.max_loras
+        bias = None
+        if self.config.bias_enabled and spec.kind is not LoRAKind.EMBEDDING:
+            bias = torch.zeros(n, dims.out_features, dtype=self.dtype, device=self.device)
+        return LoRASlotBuffers(
+            spec=spec,
+            lora_a=torch.zeros(dims.lora_a_shape(n), dtype=self.dtype, device=self.device),
+            lora_b=torch.zeros(dims.lora_b_shape(n), dtype=self.dtype, device=self.device),
+            ranks=torch.zeros(len(dims.out_slices), n, dtype=torch.int32, device=self.device),
+            output_slices=dims.out_slices, bias=bias)
+
+    # ---- queries -----------------------------------------------------------------
+
+    @property
+    def lora_index_to_id(self) -> list[int | None]:
+        return list(self._slots)
+
+    def list_adapters(self) -> list[int]:
+        """Registered (host-cached) adapter ids, least recently used first."""
+        return list(self._host)
+
+    def active_adapters(self) -> list[int]:
+        """Adapter ids holding a GPU slot, least recently used first."""
+        return list(self._active)
+
+    def slot_of(self, lora_id: int) -> int | None:
+        self._require(lora_id)
+        return self._active.get(lora_id)
+
+    def is_pinned(self, lora_id: int) -> bool:
+        return self._host.is_pinned(lora_id)
+
+    def buffers(self, module_name: str) -> LoRASlotBuffers:
+        if module_name not in self._buffers:
+            raise KeyError(f"no LoRA-able module named {module_name!r}")
+        return self._buffers[module_name]
+
+    def _require(self, lora_id: int) -> None:
+        if lora_id not in self._host:
+            raise UnknownLoRAError(f"LoRA adapter {lora_id} is not registered")
+
+    # ---- host tier -----------------------------------------------------------------
+
+    def add_adapter(self, lora: LoRAModel) -> bool:
+        """Register ``lora`` in the host LRU; False if it was already there.
+
+        The adapter is validated and prepared before anything is evicted, so a
+        bad adapter leaves the caches as they were.
+        """
+        if isinstance(lora.id, bool) or not isinstance(lora.id, int) or lora.id < 1:
+            raise LoRAConfigError(f"a LoRA adapter id must be an integer > 0, got {lora.id!r}")
+        if lora.id in self._host:
+            self._host.touch(lora.id)
+            return False
+        prepared = self._prepare(lora)
+        self._host.put(lora.id, prepared)
+        return True
+
+    def remove_adapter(self, lora_id: int) -> bool:
+        """Forget the adapter on both tiers (even if pinned, not if the running batch uses it)."""
+        self._require(lora_id)
+        self._check_not_running(lora_id)
+        if lora_id in self._active:
+            self._release(lora_id)
+        self._host.remove(lora_id)
+        return True
+
+    def _on_host_evict(self, lora_id: int, _adapter: _HostAdapter) -> None:
+        if lora_id in self._active:
+            self._release(lora_id)
+
+    def _prepare(self, lora: LoRAModel) -> _HostAdapter:
+        where = lora.path or f"LoRA adapter {lora.id}"
+        max_rank = self.config.max_lora_rank
+        if lora.rank > max_rank:
+            raise RankTooLargeError(where, "r", f"rank {lora.rank} exceeds max_lora_rank {max_rank}")
+        grouped: dict[str, list[LoRALayerWeights | None]] = {}
+        for name, layer in lora.loras.items():
+            if name not in self._targets:
+                raise UnknownTargetModuleError(where, name, "the served model has no LoRA-able module of that name")
+            spec_name, index = self._targets[name]
+            self._check_layer(where, name, layer, self.specs[spec_name], index)
+            grouped.setdefault(spec_name, [None] * len(self.specs[spec_name].out_slices))[index] = layer
+        modules = {name: self._prepare_module(self.specs[name], layers) for name, layers in grouped.items()}
+        return _HostAdapter(lora.id, lora.rank, modules)
+
+    def _check_layer(self, where: str, name: str, layer: LoRALayerWeights, spec: LoRAModuleSpec,
+                     index: int) -> None:
+        if layer.rank > self.config.max_lora_rank:
+            raise RankTooLargeError(where, name, f"rank {layer.rank} exceeds max_lora_rank {self.config.max_lora_rank}")
+        want_a = (spec.in_features, layer.rank)
+        want_b = (layer.rank, spec.out_slices[index])
+        if tuple(layer.lora_a.shape) != want_a or tuple(layer.lora_b.shape) != want_b:
+            raise AdapterShapeError(where, name, f"A {tuple(layer.lora_a.shape)} / B {tuple(layer.lora_b.shape)}, "
+                                                 f"expected A {want_a} / B {want_b}")
+        if layer.bias is not None:
+            if spec.kind is LoRAKind.EMBEDDING:
+                raise UnsupportedAdapterError(where, name, "an embedding LoRA cannot carry a bias")
+            if not self.config.bias_enabled:
+                raise UnsupportedAdapterError(where, name, "LoRA bias is off (LoRAConfig.bias_enabled)")
+            if tuple(layer.bias.shape) != (spec.out_slices[index],):
+                raise AdapterShapeError(where, name, f"bias {tuple(layer.bias.shape)}, expected "
+                                                     f"({spec.out_slices[index]},)")
+
+    def _prepare_module(self, spec: LoRAModuleSpec, layers: list[LoRALayerWeights | None]
+                        ) -> tuple[torch.Tensor, list[_SliceWrite]]:
+        dims, fs = self._dims[spec.name], self.config.fully_sharded_loras
+        cut = dict(shard=spec.shard, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        ranks, writes, offset = [0] * len(layers), [], 0
+        for index, layer in enumerate(layers):
+            if layer is not None:
+                layer = dataclasses.replace(layer).optimize()  # fold scaling; the caller's copy is untouched
+                a = shard_lora_a(layer.lora_a, **cut, fully_sharded=fs, max_rank=self.config.max_lora_rank)
+                if spec.shard is ShardKind.COLUMN and fs:  # keep only this rank's real (non-padding) columns
+                    a = a[:, :max(0, min(dims.rank_a, layer.rank - self.tp_rank * dims.rank_a))]
+                b = shard_lora_b(layer.lora_b, **cut, fully_sharded=fs)
+                bias = shard_lora_bias(layer.bias, **cut, fully_sharded=fs)
+                writes.append(_SliceWrite(index, self._host_copy(a if dims.is_embedding else a.t()),
+                                          self._host_copy(b.t()), offset,
+                                          None if bias is None else self._host_copy(bias)))
+                ranks[index] = local_rank(layer.rank, **cut, max_rank=self.config.max_lora_rank, fully_sharded=fs)
+            offset += dims.out_slices[index]
+        return self._host_copy(torch.tensor(ranks, dtype=torch.int32), torch.int32), writes
+
+    def _host_copy(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A contiguous CPU copy in the slot dtype, pinned when the slots live on CUDA."""
+        out = torch.empty(tuple(t.shape), dtype=dtype or self.dtype, pin_memory=self._pin_host)
+        return out.copy_(t)
+
+    # ---- GPU tier -------------------------------------------------------------------
+
+    def activate_adapter(self, lora_id: int, stream: "torch.cuda.Stream | None" = None) -> int:
+        """Give ``lora_id`` a GPU slot (evicting the least recently used evictable one) and return it."""
+        self._require(lora_id)
+        if lora_id in self._active:
+            self._active.move_to_end(lora_id)
+            self._host.touch(lora_id)
+            return self._active[lora_id]
+        slot = self._free_slot()
+        if slot is None:
+            victims = self._gpu_evictable()
+            if not victims:
+                raise LoRACapacityError(f"no GPU slot for LoRA adapter {lora_id}: all {len(self._slots)} slots "
+                                        "hold pinned adapters or adapters of the running batch")
+            slot = self._release(victims[0])
+        self._write(slot, self._host.peek(lora_id), stream)
+        self._slots[slot] = lora_id
+        self._active[lora_id] = slot
+        self._host.touch(lora_id)
+        return slot
+
+    def deactivate_adapter(self, lora_id: int) -> bool:
+        """Free the adapter's slot (unpinning it); False if it held none."""
+        self._require(lora_id)
+        if lora_id not in self._active:
+            return False
+        self._check_not_running(lora_id)
+        self._host.unpin(lora_id)
+        self._release(lora_id)
+        return True
+
+    def pin_adapter(self, lora_id: int, stream: "torch.cuda.Stream | None" = None) -> bool:
+        """Keep the adapter on the GPU and in the host cache until removed or deactivated."""
+        self._require(lora_id)
+        self.activate_adapter(lora_id, stream)
+        self._host.pin(lora_id)
+        return True
+
+    def set_running(self, ids: Iterable[int]) -> None:
+        """Mark the adapters the current step reads: no eviction may take them (0 = base model)."""
+        running = frozenset(i for i in ids if i)
+        for lora_id in sorted(running):
+            self._require(lora_id)
+        self._running = running
+
+    def prepare_batch(self, mapping: LoRAMapping, stream: "torch.cuda.Stream | None" = None) -> list[int | None]:
+        """Activate every adapter of the step, mark them running, return lora_index_to_id."""
+        ids = sorted(mapping.active_ids())
+        for lora_id in ids:
+            self._require(lora_id)
+        if len(ids) > len(self._slots):
+            raise LoRACapacityError(f"the batch mixes {len(ids)} adapters but max_loras is {len(self._slots)}")
+        missing = [i for i in ids if i not in self._active]
+        freeable = self._slots.count(None) + len(self._gpu_evictable(exclude=set(ids), running=frozenset()))
+        if len(missing) > freeable:
+            raise LoRACapacityError(f"the batch needs {len(missing)} more GPU slots but only {freeable} can be "
+                                    "freed; the others hold pinned adapters")
+        self._running = frozenset(ids)
+        for lora_id in ids:
+            self.activate_adapter(lora_id, stream)
+        return self.lora_index_to_id
+
+    def _check_not_running(self, lora_id: int) -> None:
+        if lora_id in self._running:
+            raise LoRACapacityError(f"LoRA adapter {lora_id} is in use by the running batch")
+
+    def _free_slot(self) -> int | None:
+        return next((slot for slot, owner in enumerate(self._slots) if owner is None), None)
+
+    def _gpu_evictable(self, exclude: set[int] | None = None, running: frozenset[int] | None = None) -> list[int]:
+        running = self._running if running is None else running
+        exclude = exclude or set()
+        return [i for i in self._active if not self._host.is_pinned(i) and i not in running and i not in exclude]
+
+    def _release(self, lora_id: int) -> int:
+        """Free the slot; a zero rank makes kernels skip it until the next write zeroes its weights."""
+        slot = self._active.pop(lora_id)
+        self._slots[slot] = None
+        for buf in self._buffers.values():
+            buf.ranks[:, slot] = 0
+        return slot
+
+    def _write(self, slot: int, adapter: _HostAdapter, stream: "torch.cuda.Stream | None") -> None:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for name, buf in self._buffers.items():
+                buf.lora_a[:, slot].zero_()  # no stale rows of a previous, larger-rank occupant
+                buf.lora_b[slot].zero_()
+                if buf.bias is not None:
+                    buf.bias[slot].zero_()
+                if name not in adapter.modules:
+                    buf.ranks[:, slot] = 0
+                    continue
+                ranks, writes = adapter.modules[name]
+                for w in writes:
+                    if w.a.numel():
+                        dst = buf.lora_a[0, slot, :, :w.a.shape[1]] if self._dims[name].is_embedding \
+                            else buf.lora_a[w.index, slot, :w.a.shape[0]]
+                        dst.copy_(w.a, non_blocking=True)
+                    rows = slice(w.b_offset, w.b_offset + w.b.shape[0])
+                    buf.lora_b[slot, rows, :w.b.shape[1]].copy_(w.b, non_blocking=True)
+                    if w.bias is not None and buf.bias is not None:
+                        buf.bias[slot, rows].copy_(w.bias, non_blocking=True)
+                buf.ranks[:, slot].copy_(ranks, non_blocking=True)
