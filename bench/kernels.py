@@ -80,16 +80,19 @@ def min_bytes(num_tokens: int, hidden: int, slices: tuple[int, ...], rank: int, 
     return esize * (weights + num_tokens * hidden + 2 * num_tokens * sum(slices))
 
 
-def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw: float, floor_us: float):
+def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw: float, floor_us: float,
+             bgmv_max_tokens: int = 32, adapter_rank: int | None = None):
+    """One case; adapter_rank < rank puts lower-rank adapters in slots sized for rank."""
     hidden, slices = SHAPES[shape]
+    adapter_rank = adapter_rank or rank
     g = torch.Generator().manual_seed(hash((shape, rank, num_tokens, popularity)) % 2**31)
-    a, b, ranks = stacked_weights(NUM_SLOTS, rank, hidden, slices, [rank], dtype, "cuda", g)
+    a, b, ranks = stacked_weights(NUM_SLOTS, rank, hidden, slices, [adapter_rank], dtype, "cuda", g)
     slots = token_slots(num_tokens, NUM_SLOTS, popularity, g)
     ids = list(range(1, NUM_SLOTS + 1))
     mapping = LoRAMapping([ids[s] for s in slots], [ids[slots[0]]], num_tokens > 1)
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
     y = torch.randn(num_tokens, sum(slices), device="cuda", dtype=dtype)
-    ours = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="triton")
+    ours = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="triton", bgmv_max_tokens=bgmv_max_tokens)
     ref = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="torch")
     for w in (ours, ref):
         w.update_metadata(mapping, ids)
@@ -104,12 +107,19 @@ def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw:
     torch_us = 1e3 * do_bench(lambda: ref.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks),
                               warmup=3, rep=30, return_mode="median")
     adapters = len(set(slots))
-    roof_us = 1e6 * min_bytes(num_tokens, hidden, slices, rank, adapters, x.element_size()) / bw
+    roof_us = 1e6 * min_bytes(num_tokens, hidden, slices, adapter_rank, adapters, x.element_size()) / bw
     del graph
-    return dict(shape=shape, rank=rank, T=num_tokens, popularity=popularity, adapters=adapters,
+    path = "bgmv" if num_tokens <= bgmv_max_tokens else "sgmv"
+    return dict(shape=shape, rank=rank, T=num_tokens, popularity=popularity, adapters=adapters, path=path,
                 ours_us=ours_us, torch_us=torch_us, roof_us=roof_us, floor_us=floor_us,
                 bw_frac=roof_us / ours_us, vs_torch=torch_us / ours_us, vs_floor=ours_us / floor_us,
                 rel_err=err)
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['shape']:8}{r['rank']:>4}{r['T']:>6} {r['popularity']:10}{r['adapters']:>4} {r['path']:5}"
+          f"{r['ours_us']:>10.2f}{r['torch_us']:>10.1f}{r['roof_us']:>9.2f}{100 * r['bw_frac']:>5.0f}%"
+          f"{r['vs_torch']:>8.1f}{r['vs_floor']:>8.2f}{r['rel_err']:>9.1e}", flush=True)
 
 
 def main() -> None:
@@ -126,18 +136,25 @@ def main() -> None:
           f"one-kernel graph floor {floor_us:.2f} us  dtype {args.dtype}")
     tokens = (1, 64, 1024) if args.quick else TOKENS
     rows = []
-    header = (f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}{'#ad':>4}{'ours us':>10}{'torch us':>10}"
+    header = (f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}{'#ad':>4} {'path':5}{'ours us':>10}{'torch us':>10}"
               f"{'roof us':>9}{'%bw':>6}{'x torch':>8}{'x floor':>8}{'relerr':>9}")
     print(header)
     for shape in SHAPES:
         for rank in RANKS:
             for t in tokens:
                 for pop in POPULARITY:
-                    r = run_case(shape, rank, t, pop, dtype, bw, floor_us)
-                    rows.append(r)
-                    print(f"{shape:8}{rank:>4}{t:>6} {pop:10}{r['adapters']:>4}{r['ours_us']:>10.2f}"
-                          f"{r['torch_us']:>10.1f}{r['roof_us']:>9.2f}{100 * r['bw_frac']:>5.0f}%"
-                          f"{r['vs_torch']:>8.1f}{r['vs_floor']:>8.2f}{r['rel_err']:>9.1e}", flush=True)
+                    # Small steps run BGMV by default; time the SGMV tiles beside them.
+                    for bgmv_max in ((32, 0) if t <= 64 else (32,)):
+                        rows.append(run_case(shape, rank, t, pop, dtype, bw, floor_us, bgmv_max))
+                        print_row(rows[-1])
+    print("\nmixed ranks: rank-8 adapters in slots sized for rank 64 (ranks table masks the padding)"
+          " vs the same adapters in rank-8 slots; T = 64, distinct")
+    for shape in SHAPES:
+        padded = run_case(shape, 64, 64, "distinct", dtype, bw, floor_us, adapter_rank=8)
+        exact = run_case(shape, 8, 64, "distinct", dtype, bw, floor_us)
+        print_row(padded)
+        print_row(exact)
+        print(f"  {shape}: padded / exact = {padded['ours_us'] / exact['ours_us']:.2f}")
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"kernels_{args.dtype}.csv"), "w", newline="") as f:

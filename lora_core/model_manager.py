@@ -9,9 +9,11 @@ tier is one LoRASlotBuffers per LoRA-able layer with ``max_loras`` slots,
 allocated once here so serving never allocates.
 
 Mixed ranks: every slot is sized for max_lora_rank and a smaller adapter is
-zero-padded. That costs memory only (each slot takes max_lora_rank rows
-whatever the adapter's rank); it costs no bandwidth or compute beyond the real
-rank, because ``ranks[s, slot]`` holds the real rank and kernels mask by it.
+zero-padded. Memory: each slot takes max_lora_rank rows whatever the
+adapter's rank. Bandwidth: none past the real rank, because ``ranks[s, slot]``
+holds it and the kernels mask their loads by it. Time is another matter: the
+kernels' rank tile is sized for max_lora_rank, so small decode batches of
+low-rank adapters in wide slots still run slower (bench/RESULTS.md measures it).
 
 Eviction never takes a pinned adapter nor one the running batch uses; every
 operation checks that it can succeed (adapter valid, enough slots freeable)

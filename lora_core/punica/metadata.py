@@ -37,8 +37,10 @@ def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
 class PunicaMetadata:
     """Slot mapping of one kind of row (all tokens, or the sampled rows) for one step."""
 
-    def __init__(self, max_rows: int, num_slots: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, num_slots: int, device: torch.device, bgmv_max_rows: int = 32) -> None:
         self.max_rows = max_rows
+        # Up to this many rows the Triton backend runs its BGMV kernels.
+        self.bgmv_max_rows = bgmv_max_rows
         self.num_slots = num_slots
         self.device = device
         int32 = dict(dtype=torch.int32, device=device)

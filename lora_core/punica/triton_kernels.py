@@ -127,3 +127,89 @@ def expand_kernel(
         if ADD_INPUTS:
             acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def bgmv_shrink_kernel(
+    x_ptr, a_ptr, out_ptr, ranks_ptr, slots_ptr,
+    K, scale,
+    sx_t, sx_k,
+    sa_s, sa_l, sa_r, sa_k,
+    so_split, so_s, so_t, so_r,
+    sr_s,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Decode shrink, one token per program: out[split, s, t, :R] = scale * x[t, k-range] @ A[s, slot_t]^T.
+
+    No sorting and no tl.dot: one slot look-up, then the A rows stream through
+    FMAs. A token whose adapter is shared with others re-reads it from L2.
+    """
+    t = tl.program_id(0)
+    split = tl.program_id(1)
+    s = tl.program_id(2)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + s * sr_s + slot), R)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    k_chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, K)
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    a_rows = a_ptr + s.to(tl.int64) * sa_s + slot.to(tl.int64) * sa_l + offs_r[:, None] * sa_r
+    x_row = x_ptr + t.to(tl.int64) * sx_t
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        xk = tl.load(x_row + offs_k * sx_k, mask=k_mask, other=0.0).to(tl.float32)
+        a = tl.load(a_rows + offs_k[None, :] * sa_k, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += a.to(tl.float32) * xk[None, :]
+    out = tl.sum(acc, axis=1) * scale
+    tl.store(out_ptr + split * so_split + s * so_s + t.to(tl.int64) * so_t + offs_r * so_r, out, mask=offs_r < R)
+
+
+@triton.jit
+def bgmv_expand_kernel(
+    buf_ptr, b_ptr, y_ptr, ranks_ptr, slice_off_ptr, bias_ptr, slots_ptr,
+    y_col_offset,
+    sb_split, sb_s, sb_t, sb_r,
+    sw_l, sw_n, sw_r,
+    sy_t, sy_n,
+    sr_s, sbias_l,
+    BLOCK_N: tl.constexpr, N_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr,
+):
+    """Decode expand, one token per program: y[t, off + n] (+)= sum_split buf[., s, t, :rank] @ B[slot_t, n, :rank]^T."""
+    t = tl.program_id(0)
+    chunk = tl.program_id(1)
+    s = tl.program_id(2)
+    slot = tl.load(slots_ptr + t)
+    n_lo = tl.load(slice_off_ptr + s)
+    n_hi = tl.load(slice_off_ptr + s + 1)
+    if slot < 0:
+        return
+    n_begin = n_lo + chunk * N_PER_PROG
+    if n_begin >= n_hi:
+        return
+    n_end = tl.minimum(n_begin + N_PER_PROG, n_hi)
+    rank = tl.load(ranks_ptr + s * sr_s + slot)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_sp = tl.arange(0, SPLIT_K)
+    parts = tl.load(buf_ptr + offs_sp[:, None] * sb_split + s * sb_s + t.to(tl.int64) * sb_t + offs_r[None, :] * sb_r,
+                    mask=r_mask[None, :], other=0.0)
+    xb = tl.sum(parts, axis=0)
+    b_rows = b_ptr + slot.to(tl.int64) * sw_l + offs_r[None, :] * sw_r
+    y_row = y_ptr + t.to(tl.int64) * sy_t
+    for n in range(n_begin, n_end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        w = tl.load(b_rows + offs_n[:, None].to(tl.int64) * sw_n, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.sum(w.to(tl.float32) * xb[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + slot.to(tl.int64) * sbias_l + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        y_ptrs = y_row + (y_col_offset + offs_n) * sy_n
+        if ADD_INPUTS:
+            acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)

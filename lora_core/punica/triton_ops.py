@@ -10,10 +10,19 @@ from __future__ import annotations
 import torch
 
 from lora_core.punica.metadata import PunicaMetadata
-from lora_core.punica.triton_kernels import expand_kernel, shrink_kernel
+from lora_core.punica.triton_kernels import bgmv_expand_kernel, bgmv_shrink_kernel, expand_kernel, shrink_kernel
 
 # Enough programs to keep every SM of an H100/H200 streaming weights.
 _TARGET_PROGRAMS = 1024
+
+
+def use_bgmv(meta: PunicaMetadata) -> bool:
+    """One-token-per-program BGMV for small (decode) steps, slot-sorted SGMV tiles otherwise."""
+    return meta.num_rows <= meta.bgmv_max_rows
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def _block_r(rank: int) -> int:
@@ -22,6 +31,11 @@ def _block_r(rank: int) -> int:
 
 def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int) -> tuple[int, int]:
     """(BLOCK_K, SPLIT_K) for a shrink: split H so decode launches fill the GPU."""
+    if use_bgmv(meta):
+        block_k = max(16, 4096 // _block_r(rank))
+        k_blocks = _pow2_floor(max(1, hidden // block_k))
+        wanted = -(-_TARGET_PROGRAMS // (meta.num_rows * num_slices))
+        return block_k, min(k_blocks, 1 << (wanted - 1).bit_length(), 64)
     block_k = 128 if _block_r(rank) >= 64 else 256
     k_blocks = max(1, -(-hidden // block_k))
     programs = meta.max_tiles * num_slices
@@ -31,9 +45,13 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int)
 
 def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tuple[int, int]:
     """(BLOCK_N, N_PER_PROG): enough programs to fill the GPU, each streaming several B tiles."""
-    block_n = 128 if meta.block_m <= 32 else 64
+    if use_bgmv(meta):
+        block_n = 64
+        programs = meta.num_rows * num_slices
+    else:
+        block_n = 128 if meta.block_m <= 32 else 64
+        programs = meta.max_tiles * num_slices
     n_blocks = -(-max_slice // block_n)
-    programs = meta.max_tiles * num_slices
     chunks = max(1, min(n_blocks, -(-2 * _TARGET_PROGRAMS // programs)))
     return block_n, block_n * -(-n_blocks // chunks)
 
@@ -43,6 +61,18 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
     """out [split_k, S, T, R] fp32 (+)= scale * x [T, H] @ lora_a [S, L, R, H]^T (partials per K split)."""
     num_slices, _, rank, hidden = lora_a.shape
     if meta.num_rows == 0:
+        return
+    if use_bgmv(meta) and not accumulate:
+        bgmv_shrink_kernel[(meta.num_rows, split_k, num_slices)](
+            x, lora_a, out, ranks, meta.slots,
+            hidden, float(scale),
+            x.stride(0), x.stride(1),
+            *lora_a.stride(),
+            *out.stride(),
+            ranks.stride(0),
+            R=rank, BLOCK_R=_block_r(rank), BLOCK_K=block_k, SPLIT_K=split_k,
+            num_warps=4, num_stages=2,
+        )
         return
     grid = (meta.max_tiles, split_k, num_slices)
     shrink_kernel[grid](
@@ -67,6 +97,19 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
     if meta.num_rows == 0:
         return
     block_n, n_per_prog = expand_config(meta, max_slice, num_slices)
+    if use_bgmv(meta) and split_k == _pow2_floor(split_k):
+        bgmv_expand_kernel[(meta.num_rows, -(-max_slice // n_per_prog), num_slices)](
+            buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b, meta.slots,
+            offset_start,
+            *buf.stride(),
+            *lora_b.stride(),
+            y.stride(0), y.stride(1),
+            ranks.stride(0), bias.stride(0) if bias is not None else 0,
+            BLOCK_N=block_n, N_PER_PROG=n_per_prog, BLOCK_R=_block_r(rank),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs,
+            num_warps=4, num_stages=3,
+        )
+        return
     grid = (meta.max_tiles, -(-max_slice // n_per_prog), num_slices)
     expand_kernel[grid](
         buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b,

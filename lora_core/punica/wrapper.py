@@ -6,7 +6,9 @@
 Slot -1 (a token whose lora id is 0) means "no adapter": such rows of y are
 left untouched. Two backends with one signature: "triton" (GPU; on CPU only
 under TRITON_INTERPRET=1, for tests) and "torch" (the reference, and the CPU
-path). Stacked-weight layouts are those of lora_core.slot_buffers.
+path). Stacked-weight layouts are those of lora_core.slot_buffers. Steps of
+up to bgmv_max_tokens rows (decode) run one-token-per-program BGMV kernels;
+larger ones run slot-sorted SGMV tiles.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ BACKENDS = ("auto", "triton", "torch")
 
 class PunicaWrapper:
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str,
-                 max_num_prompts: int | None = None, backend: str = "auto") -> None:
+                 max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.device = torch.device(device)
@@ -37,8 +39,8 @@ class PunicaWrapper:
 
             self._triton = triton_ops
         self.max_loras = max_loras
-        self.token_meta = PunicaMetadata(max_num_tokens, max_loras, self.device)
-        self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device)
+        self.token_meta = PunicaMetadata(max_num_tokens, max_loras, self.device, bgmv_max_tokens)
+        self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.is_prefill = False
         self._workspace = torch.empty(0, dtype=torch.float32, device=self.device)
         self._slice_offsets: dict[tuple[int, ...], torch.Tensor] = {}

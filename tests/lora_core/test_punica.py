@@ -196,3 +196,50 @@ def test_errors_are_clear():
         w.add_lora_linear(torch.zeros(2, 4), torch.zeros(2, 8), a, torch.zeros(2, 4, 4), output_slices=(3,))
     with pytest.raises(ValueError, match="backend"):
         PunicaWrapper(8, 2, "cpu", backend="cuda")
+
+
+@pytest.mark.parametrize("bgmv_max_tokens", [0, 32], ids=["sgmv", "bgmv"])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_decode_paths_split_k(num_tokens, rank, bgmv_max_tokens):
+    """Decode shapes with a hidden size large enough that the shrink splits K over programs."""
+    dtype = DTYPES[-1]
+    hidden = 1024
+    g = torch.Generator().manual_seed(rank + num_tokens)
+    slices = SLICES[3]
+    a, b, ranks = stacked_weights(NUM_SLOTS, rank, hidden, slices, [rank, rank // 4], dtype, DEVICE, g)
+    slots = token_slots(num_tokens, NUM_SLOTS, "distinct", g)
+    ids = [1, 2, 3, 4, 5, 6]
+    mapping = _mapping(slots, ids, False)
+    ref = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="torch")
+    tri = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=bgmv_max_tokens)
+    for w in (ref, tri):
+        w.update_metadata(mapping, ids)
+    x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, dtype)
+    want = torch.zeros(num_tokens, sum(slices), device=DEVICE)
+    got = torch.zeros(num_tokens, sum(slices), device=DEVICE, dtype=dtype)
+    ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 1.0, slices, ranks)
+    tri.add_lora_linear(got, x, a, b, None, 1.0, slices, ranks)
+    _assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("bgmv_max_tokens", [0, 32], ids=["sgmv", "bgmv"])
+def test_shrink_reads_at_most_the_rows_it_holds(bgmv_max_tokens):
+    """A fully-sharded A holds max_rank / tp rows while ranks keep the full rank: no row past R is read."""
+    g = torch.Generator().manual_seed(4)
+    full = torch.randn(1, 2, 16, HIDDEN, generator=g)
+    half = full[:, :, :8].contiguous()  # what TP rank 0 holds
+    ranks = torch.full((1, 2), 16, dtype=torch.int32)
+    ids = [1, 2]
+    x = torch.randn(4, HIDDEN, generator=g)
+    outs = []
+    for backend in ("torch", "triton"):
+        w = PunicaWrapper(8, 2, "cpu" if not ON_GPU else DEVICE, backend=backend, bgmv_max_tokens=bgmv_max_tokens)
+        w.update_metadata(LoRAMapping([1, 2, 2, 1], [1]), ids)
+        buf = torch.zeros(1, 4, 8, device=w.device)
+        w.add_shrink(buf, x.to(w.device), half.to(w.device), 1.0, ranks.to(w.device))
+        outs.append(buf.cpu())
+    want = torch.stack([x[i] @ full[0, s, :8].t() for i, s in enumerate([0, 1, 1, 0])])
+    _assert_close(outs[0][0], want, torch.float32)
+    # On a GPU, Triton's float32 tl.dot runs in TF32.
+    _assert_close(outs[1][0], want, torch.float16 if ON_GPU else torch.float32)
