@@ -21,9 +21,14 @@ from __future__ import annotations
 import torch
 
 
-def choose_block_m(num_tokens: int) -> int:
-    """Rows per tile: small for decode (one token per adapter is common), larger for prefill."""
-    if num_tokens <= 128:
+def choose_block_m(num_tokens: int, num_adapters: int = 1) -> int:
+    """Rows per tile: small for decode (one token per adapter is common), larger for prefill.
+
+    The step's adapter count is known on the host (from the LoRAMapping), so
+    batches of many small per-adapter groups get 16-row tiles without a sync;
+    bench/RESULTS.md has the sweep that set these bounds.
+    """
+    if num_tokens <= 128 or (num_tokens <= 512 and num_tokens <= 16 * num_adapters):
         return 16
     if num_tokens <= 1024:
         return 32
@@ -56,13 +61,16 @@ class PunicaMetadata:
         self.block_m = 16
         self.max_tiles = 1
 
-    def update(self, slots: torch.Tensor) -> None:
-        """Take this step's slot per row (int32 on the device, -1 = none) and derive the tiles."""
+    def update(self, slots: torch.Tensor, num_adapters: int = 1) -> None:
+        """Take this step's slot per row (int32 on the device, -1 = none) and derive the tiles.
+
+        num_adapters (distinct slots in use, known on the host) only tunes the tile height.
+        """
         n = slots.shape[0]
         if n > self.max_rows:
             raise ValueError(f"{n} rows exceed the {self.max_rows} this PunicaWrapper was sized for")
         self.num_rows = n
-        self.block_m = choose_block_m(n)
+        self.block_m = choose_block_m(n, num_adapters)
         self.max_tiles = max_tiles(n, self.num_slots, self.block_m)
         if n == 0:
             return

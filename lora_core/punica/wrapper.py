@@ -55,17 +55,17 @@ class PunicaWrapper:
             raise ValueError(f"PunicaWrapper was built for {self.max_loras} slots, not {max_loras}")
         slot_of = {lora_id: slot for slot, lora_id in enumerate(lora_index_to_id) if lora_id is not None}
 
-        def to_slots(ids: tuple[int, ...], what: str) -> torch.Tensor:
+        def to_slots(ids: tuple[int, ...], what: str) -> tuple[torch.Tensor, int]:
             try:
                 slots = [slot_of[i] if i else -1 for i in ids]
             except KeyError as exc:
                 raise UnknownLoRAError(f"LoRAMapping.{what} uses lora id {exc.args[0]}, "
                                        "which holds no GPU slot; activate it first") from None
             host = torch.tensor(slots, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            return host.to(self.device, non_blocking=True)
+            return host.to(self.device, non_blocking=True), len(set(slots) - {-1})
 
-        self.token_meta.update(to_slots(mapping.index_mapping, "index_mapping"))
-        self.sampler_meta.update(to_slots(mapping.prompt_mapping, "prompt_mapping"))
+        self.token_meta.update(*to_slots(mapping.index_mapping, "index_mapping"))
+        self.sampler_meta.update(*to_slots(mapping.prompt_mapping, "prompt_mapping"))
         self.is_prefill = mapping.is_prefill
 
     # ---- the ops --------------------------------------------------------------------------
