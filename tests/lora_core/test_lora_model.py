@@ -9,22 +9,11 @@ from safetensors.torch import load_file
 from lora_core.config import LoRAConfig
 from lora_core.lora_model import LoRAModel
 from lora_core.peft_helper import PEFTHelper
+from tests.lora_core.conftest import ALL_PROJ, PEFT_CASES
 
-ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATOL = 1e-5
-
-CASES = {
-    "plain": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "rank_pattern": dict(r=4, lora_alpha=8, target_modules=ALL_PROJ,
-                         rank_pattern={"q_proj": 8, r"model\.layers\.1\.mlp\.down_proj": 2}),
-    "alpha_pattern": dict(r=4, lora_alpha=8, target_modules=ALL_PROJ,
-                          alpha_pattern={"v_proj": 32, r"layers\.0\.mlp\.up_proj": 2}),
-    "regex": dict(r=4, lora_alpha=4, target_modules=r".*layers\.1\.(self_attn\.(q|k)_proj|mlp\.gate_proj)"),
-    "all_linear": dict(r=4, lora_alpha=8, target_modules="all-linear"),
-    "embed_lm_head": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj", "down_proj"]),
-    "lora_bias": dict(with_bias=True, r=4, lora_alpha=8, lora_bias=True, target_modules=ALL_PROJ),
-}
+CASES = {**PEFT_CASES,
+         "lora_bias": dict(with_bias=True, r=4, lora_alpha=8, lora_bias=True, target_modules=ALL_PROJ)}
 LORA_CONFIG = LoRAConfig(max_lora_rank=16, bias_enabled=True)
 
 

@@ -17,20 +17,9 @@ from lora_core.errors import (
     UnsupportedAdapterError,
 )
 from lora_core.peft_helper import PEFTHelper
+from tests.lora_core.conftest import PEFT_CASES
 
-ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-CASES = {
-    "plain": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "rank_pattern": dict(r=4, lora_alpha=8, target_modules=ALL_PROJ,
-                         rank_pattern={"q_proj": 8, r"model\.layers\.1\.mlp\.down_proj": 2}),
-    "alpha_pattern": dict(r=4, lora_alpha=8, target_modules=ALL_PROJ,
-                          alpha_pattern={"v_proj": 32, r"layers\.0\.mlp\.up_proj": 2}),
-    "regex": dict(r=4, lora_alpha=4, target_modules=r".*layers\.1\.(self_attn\.(q|k)_proj|mlp\.gate_proj)"),
-    "embed_lm_head": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj"]),
-}
+CASES = PEFT_CASES
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
