@@ -1,0 +1,113 @@
+"""Paged attention for a mixed batch (prefill chunks and decode tokens) in one Triton launch.
+
+Semantics, per sequence s with q_len new tokens and seq_len tokens in all
+(context_len = seq_len - q_len already cached, the new tokens' K/V already
+written to the cache):
+
+    out[t, h] = softmax(q[t, h] . K[s, :p_t + 1, kvh]^T * scale) @ V[s, :p_t + 1, kvh]
+
+where p_t = context_len + (t - query_start_loc[s]) is the token's position and
+kvh = h // (num_heads / num_kv_heads) (GQA). K/V of sequence s live in the
+blocks block_tables[s, :]; k_cache / v_cache are [num_blocks, block_size,
+num_kv_heads, head_dim].
+
+One program handles BLOCK_Q query tokens of one sequence for one query head
+and streams the sequence's cache blocks with an online softmax (flash
+attention), so a decode token and a 500-token prefill chunk share a launch.
+The grid depends only on host-known sizes (number of sequences, the step's
+longest query), so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    scale,
+    sq_t, sq_h,
+    sk_b, sk_s, sk_h,
+    so_t, so_h,
+    sbt_s,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    kv_head = head // QUERIES_PER_KV
+    context_len = seq_len - q_len
+    offs_q = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_mask = offs_q < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + offs_q)[:, None].to(tl.int64) * sq_t + head * sq_h + offs_d[None, :],
+                mask=q_mask[:, None] & d_mask[None, :], other=0.0)
+    pos_q = context_len + offs_q
+    m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+    # Keys past the last query's position are never needed (causal).
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    offs_n = tl.arange(0, BLOCK_SIZE)
+    for start in range(0, kv_end, BLOCK_SIZE):
+        block = tl.load(block_tables_ptr + seq * sbt_s + start // BLOCK_SIZE).to(tl.int64)
+        pos_k = start + offs_n
+        k_mask = pos_k < seq_len
+        kv_off = block * sk_b + offs_n[:, None] * sk_s + kv_head * sk_h + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where((pos_k[None, :] <= pos_q[:, None]) & k_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + offs_q)[:, None].to(tl.int64) * so_t + head * so_h + offs_d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_query_len: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, num_heads, head_dim] -> out [T, num_heads, head_dim]; see the module docstring.
+
+    query_start_loc [S + 1] and seq_lens [S] are int32 on the device;
+    max_query_len (host int) sizes the grid: 1 for a pure decode step.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} kv heads")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16 for the Triton path, got {block_size}")
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    block_q = 16 if max_query_len <= 16 else 32 if max_query_len <= 64 else 64
+    grid = (num_seqs, triton.cdiv(max(max_query_len, 1), block_q), num_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_tables,
+        float(scale),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q,
+        num_warps=4, num_stages=2,
+    )
+    return out

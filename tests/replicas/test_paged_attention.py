@@ -1,0 +1,72 @@
+"""Triton paged attention (interpreter on CPU, real kernel on GPU) against dense attention per sequence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from replicas.kernels.paged_attention import paged_attention
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _dense(q, k, v, context_len, scale):
+    """q [n, H, D] at positions context_len.., k/v [L, KVH, D] for positions 0..L-1."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    pos_q = context_len + torch.arange(q.shape[0])
+    mask = torch.arange(k.shape[0])[None, :] <= pos_q[:, None]
+    scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (4, 4, 64), (8, 1, 48)])
+def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype):
+    g = torch.Generator().manual_seed(heads * 7 + head_dim)
+    block_size, num_blocks = 16, 64
+    # (context already cached, new tokens): decode, prefill with and without context, long decode
+    seqs = [(0, 1), (37, 1), (0, 23), (20, 40), (70, 1), (5, 3)]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(math.ceil((c + n) / block_size) for c, n in seqs)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    for i, (c, n) in enumerate(seqs):
+        for j in range(math.ceil((c + n) / block_size)):
+            tables[i, j] = free.pop()
+    starts = [0]
+    for _, n in seqs:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], heads, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    out = paged_attention(
+        q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype),
+        torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=DEVICE),
+        tables.to(DEVICE), scale, max(n for _, n in seqs)).float().cpu()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for i, (c, n) in enumerate(seqs):
+        blocks = tables[i, : math.ceil((c + n) / block_size)].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(dtype).float()
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(dtype).float()
+        want = _dense(q[starts[i]: starts[i + 1]].to(dtype).float(), k, v, c, scale)
+        got = out[starts[i]: starts[i + 1]]
+        assert (got - want).abs().max().item() < tol * max(1.0, want.abs().max().item()), f"sequence {i}"
+
+
+def test_bad_shapes_are_refused():
+    q = torch.zeros(1, 3, 16)
+    cache = torch.zeros(2, 16, 2, 16)
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv heads"):
+        paged_attention(q, cache, cache, torch.tensor([0, 1], dtype=torch.int32), one + 1,
+                        torch.zeros(1, 1, dtype=torch.int32), 1.0, 1)
+    with pytest.raises(ValueError, match="block_size"):
+        paged_attention(torch.zeros(1, 2, 16), torch.zeros(2, 12, 2, 16), torch.zeros(2, 12, 2, 16),
+                        torch.tensor([0, 1], dtype=torch.int32), one + 1, torch.zeros(1, 1, dtype=torch.int32), 1.0, 1)
