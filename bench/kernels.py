@@ -81,7 +81,7 @@ def min_bytes(num_tokens: int, hidden: int, slices: tuple[int, ...], rank: int, 
 
 
 def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw: float, floor_us: float,
-             bgmv_max_tokens: int = 32, adapter_rank: int | None = None):
+             bgmv_max_tokens: int = 32, adapter_rank: int | None = None, use_pdl: bool | None = None):
     """One case; adapter_rank < rank puts lower-rank adapters in slots sized for rank."""
     hidden, slices = SHAPES[shape]
     adapter_rank = adapter_rank or rank
@@ -92,7 +92,8 @@ def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw:
     mapping = LoRAMapping([ids[s] for s in slots], [ids[slots[0]]], num_tokens > 1)
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
     y = torch.randn(num_tokens, sum(slices), device="cuda", dtype=dtype)
-    ours = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="triton", bgmv_max_tokens=bgmv_max_tokens)
+    ours = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="triton", bgmv_max_tokens=bgmv_max_tokens,
+                         use_pdl=use_pdl)
     ref = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="torch")
     for w in (ours, ref):
         w.update_metadata(mapping, ids)
@@ -109,7 +110,7 @@ def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw:
     adapters = len(set(slots))
     roof_us = 1e6 * min_bytes(num_tokens, hidden, slices, adapter_rank, adapters, x.element_size()) / bw
     del graph
-    path = "bgmv" if num_tokens <= bgmv_max_tokens else "sgmv"
+    path = ("bgmv" if num_tokens <= bgmv_max_tokens else "sgmv") + ("+pdl" if ours.use_pdl else "")
     return dict(shape=shape, rank=rank, T=num_tokens, popularity=popularity, adapters=adapters, path=path,
                 ours_us=ours_us, torch_us=torch_us, roof_us=roof_us, floor_us=floor_us,
                 bw_frac=roof_us / ours_us, vs_torch=torch_us / ours_us, vs_floor=ours_us / floor_us,
@@ -117,7 +118,7 @@ def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw:
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['shape']:8}{r['rank']:>4}{r['T']:>6} {r['popularity']:10}{r['adapters']:>4} {r['path']:5}"
+    print(f"{r['shape']:8}{r['rank']:>4}{r['T']:>6} {r['popularity']:10}{r['adapters']:>4} {r['path']:9}"
           f"{r['ours_us']:>10.2f}{r['torch_us']:>10.1f}{r['roof_us']:>9.2f}{100 * r['bw_frac']:>5.0f}%"
           f"{r['vs_torch']:>8.1f}{r['vs_floor']:>8.2f}{r['rel_err']:>9.1e}", flush=True)
 
@@ -132,11 +133,12 @@ def main() -> None:
     bw = copy_bandwidth()
     flag = torch.zeros(1, device="cuda")
     floor_us = time_graph(graph_of(lambda: _noop[(1,)](flag)))
+    floor2_us = time_graph(graph_of(lambda: (_noop[(1,)](flag), _noop[(1,)](flag))))
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "
-          f"one-kernel graph floor {floor_us:.2f} us  dtype {args.dtype}")
+          f"one-kernel graph floor {floor_us:.2f} us  (two kernels: {floor2_us:.2f} us)  dtype {args.dtype}")
     tokens = (1, 64, 1024) if args.quick else TOKENS
     rows = []
-    header = (f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}{'#ad':>4} {'path':5}{'ours us':>10}{'torch us':>10}"
+    header = (f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}{'#ad':>4} {'path':9}{'ours us':>10}{'torch us':>10}"
               f"{'roof us':>9}{'%bw':>6}{'x torch':>8}{'x floor':>8}{'relerr':>9}")
     print(header)
     for shape in SHAPES:
@@ -146,6 +148,9 @@ def main() -> None:
                     # Small steps run BGMV by default; time the SGMV tiles beside them.
                     for bgmv_max in ((32, 0) if t <= 64 else (32,)):
                         rows.append(run_case(shape, rank, t, pop, dtype, bw, floor_us, bgmv_max))
+                        print_row(rows[-1])
+                    if t <= 16:  # the same default path without programmatic dependent launch
+                        rows.append(run_case(shape, rank, t, pop, dtype, bw, floor_us, use_pdl=False))
                         print_row(rows[-1])
     print("\nmixed ranks: rank-8 adapters in slots sized for rank 64 (ranks table masks the padding)"
           " vs the same adapters in rank-8 slots; T = 64, distinct")

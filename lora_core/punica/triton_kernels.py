@@ -39,9 +39,12 @@ def shrink_kernel(
     so_split, so_s, so_t, so_r,
     sr_s,
     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SPLIT_K: tl.constexpr, ACCUMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[split, s, tok, :R] (+)= scale * x[tok, k-range] @ A[s, slot, :rank, k-range]^T."""
+    if USE_PDL:
+        # Let the expand launch now: it loads everything but our output while we run.
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     split = tl.program_id(1)
     s = tl.program_id(2)
@@ -85,7 +88,7 @@ def expand_kernel(
     sy_t, sy_n,
     sr_s, sbias_l,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """y[tok, off + n] (+)= sum_split buf[split, s, tok, :rank] @ B[slot, n, :rank]^T (+ bias).
 
@@ -110,6 +113,8 @@ def expand_kernel(
     r_mask = offs_r < rank
     xb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     buf_ptrs = buf_ptr + s * sb_s + tok[:, None].to(tl.int64) * sb_t + offs_r[None, :] * sb_r
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the shrink's output is complete and visible from here on
     for sp in range(SPLIT_K):
         xb += tl.load(buf_ptrs + sp * sb_split, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     b_rows = b_ptr + lora.to(tl.int64) * sw_l + offs_r[:, None] * sw_r
@@ -138,12 +143,15 @@ def bgmv_shrink_kernel(
     so_split, so_s, so_t, so_r,
     sr_s,
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Decode shrink, one token per program: out[split, s, t, :R] = scale * x[t, k-range] @ A[s, slot_t]^T.
 
     No sorting and no tl.dot: one slot look-up, then the A rows stream through
     FMAs. A token whose adapter is shared with others re-reads it from L2.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     split = tl.program_id(1)
     s = tl.program_id(2)
@@ -178,9 +186,14 @@ def bgmv_expand_kernel(
     sy_t, sy_n,
     sr_s, sbias_l,
     BLOCK_N: tl.constexpr, N_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Decode expand, one token per program: y[t, off + n] (+)= sum_split buf[., s, t, :rank] @ B[slot_t, n, :rank]^T."""
+    """Decode expand, one token per program: y[t, off + n] (+)= sum_split buf[., s, t, :rank] @ B[slot_t, n, :rank]^T.
+
+    Under programmatic dependent launch (USE_PDL) this kernel starts while the
+    shrink still runs: the slot, its first B tile and y are loaded before
+    gdc_wait, so their DRAM latency hides behind the shrink.
+    """
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     s = tl.program_id(2)
@@ -196,13 +209,26 @@ def bgmv_expand_kernel(
     rank = tl.load(ranks_ptr + s * sr_s + slot)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
+    b_rows = b_ptr + slot.to(tl.int64) * sw_l + offs_r[None, :] * sw_r
+    y_row = y_ptr + t.to(tl.int64) * sy_t
+    offs_n = n_begin + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_end
+    w = tl.load(b_rows + offs_n[:, None].to(tl.int64) * sw_n, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    y_ptrs = y_row + (y_col_offset + offs_n) * sy_n
+    y_old = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if ADD_INPUTS:
+        y_old = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     offs_sp = tl.arange(0, SPLIT_K)
     parts = tl.load(buf_ptr + offs_sp[:, None] * sb_split + s * sb_s + t.to(tl.int64) * sb_t + offs_r[None, :] * sb_r,
                     mask=r_mask[None, :], other=0.0)
     xb = tl.sum(parts, axis=0)
-    b_rows = b_ptr + slot.to(tl.int64) * sw_l + offs_r[None, :] * sw_r
-    y_row = y_ptr + t.to(tl.int64) * sy_t
-    for n in range(n_begin, n_end, BLOCK_N):
+    acc = tl.sum(w.to(tl.float32) * xb[None, :], axis=1) + y_old
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + slot.to(tl.int64) * sbias_l + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    for n in range(n_begin + BLOCK_N, n_end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_end
         w = tl.load(b_rows + offs_n[:, None].to(tl.int64) * sw_n, mask=n_mask[:, None] & r_mask[None, :], other=0.0)

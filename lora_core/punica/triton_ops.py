@@ -7,13 +7,29 @@ a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import triton.language as tl
 
 from lora_core.punica.metadata import PunicaMetadata
 from lora_core.punica.triton_kernels import bgmv_expand_kernel, bgmv_shrink_kernel, expand_kernel, shrink_kernel
 
 # Enough programs to keep every SM of an H100/H200 streaming weights.
 _TARGET_PROGRAMS = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device_index: int) -> bool:
+    """Programmatic dependent launch: Hopper or newer, and a Triton that has gdc_wait."""
+    if not torch.cuda.is_available() or not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _pdl_kwargs(use_pdl: bool) -> dict:
+    # Only named when on: Triton's interpreter does not know the option.
+    return {"launch_pdl": True} if use_pdl else {}
 
 
 def use_bgmv(meta: PunicaMetadata) -> bool:
@@ -57,7 +73,8 @@ def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tupl
 
 
 def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor,
-           meta: PunicaMetadata, scale: float, accumulate: bool, split_k: int, block_k: int) -> None:
+           meta: PunicaMetadata, scale: float, accumulate: bool, split_k: int, block_k: int,
+           use_pdl: bool = False) -> None:
     """out [split_k, S, T, R] fp32 (+)= scale * x [T, H] @ lora_a [S, L, R, H]^T (partials per K split)."""
     num_slices, _, rank, hidden = lora_a.shape
     if meta.num_rows == 0:
@@ -70,7 +87,7 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
             *lora_a.stride(),
             *out.stride(),
             ranks.stride(0),
-            R=rank, BLOCK_R=_block_r(rank), BLOCK_K=block_k, SPLIT_K=split_k,
+            R=rank, BLOCK_R=_block_r(rank), BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=use_pdl,
             num_warps=4, num_stages=2,
         )
         return
@@ -84,14 +101,15 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
         *out.stride(),
         ranks.stride(0),
         R=rank, BLOCK_M=meta.block_m, BLOCK_R=_block_r(rank), BLOCK_K=block_k,
-        SPLIT_K=split_k, ACCUMULATE=accumulate,
+        SPLIT_K=split_k, ACCUMULATE=accumulate, USE_PDL=use_pdl,
         num_warps=4, num_stages=3,
     )
 
 
 def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
            slice_offsets: torch.Tensor, max_slice: int, meta: PunicaMetadata, offset_start: int,
-           bias: torch.Tensor | None, add_inputs: bool) -> None:
+           bias: torch.Tensor | None, add_inputs: bool, use_pdl: bool = False) -> None:
+    """use_pdl: launched right after this step's shrink, which triggered it (fused path only)."""
     """y[:, offset_start + slice] (+)= sum over splits of buf [split, S, T, R] @ lora_b [L, N, R]^T."""
     split_k, num_slices, _, rank = buf.shape
     if meta.num_rows == 0:
@@ -106,8 +124,8 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
             y.stride(0), y.stride(1),
             ranks.stride(0), bias.stride(0) if bias is not None else 0,
             BLOCK_N=block_n, N_PER_PROG=n_per_prog, BLOCK_R=_block_r(rank),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs,
-            num_warps=4, num_stages=3,
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
+            num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
         )
         return
     grid = (meta.max_tiles, -(-max_slice // n_per_prog), num_slices)
@@ -120,6 +138,6 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
         y.stride(0), y.stride(1),
         ranks.stride(0), bias.stride(0) if bias is not None else 0,
         BLOCK_M=meta.block_m, BLOCK_N=block_n, N_PER_PROG=n_per_prog, BLOCK_R=_block_r(rank),
-        SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs,
-        num_warps=4, num_stages=3,
+        SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
+        num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
     )

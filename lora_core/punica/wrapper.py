@@ -27,7 +27,8 @@ BACKENDS = ("auto", "triton", "torch")
 
 class PunicaWrapper:
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str,
-                 max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32) -> None:
+                 max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32,
+                 use_pdl: bool | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.device = torch.device(device)
@@ -38,6 +39,9 @@ class PunicaWrapper:
             from lora_core.punica import triton_ops  # triton is optional off Linux
 
             self._triton = triton_ops
+        # Programmatic dependent launch lets the expand start under the shrink (Hopper+).
+        self.use_pdl = (backend == "triton" and self.device.type == "cuda"
+                        and triton_ops.pdl_supported(self.device.index or 0)) if use_pdl is None else use_pdl
         self.max_loras = max_loras
         self.token_meta = PunicaMetadata(max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device, bgmv_max_tokens)
@@ -128,9 +132,9 @@ class PunicaWrapper:
         block_k, split_k = self._triton.shrink_config(meta, x.shape[1], num_slices, rank)
         buf = self._buffer((split_k, num_slices, meta.num_rows, rank))
         self._triton.shrink(buf, x, lora_a_stacked, ranks, meta, scale,
-                            accumulate=False, split_k=split_k, block_k=block_k)
+                            accumulate=False, split_k=split_k, block_k=block_k, use_pdl=self.use_pdl)
         self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
-                            meta, 0, lora_bias_stacked, add_inputs=True)
+                            meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl)
 
     def add_lora_embedding(self, y: torch.Tensor, token_ids: torch.Tensor, lora_a_stacked: torch.Tensor,
                            lora_b_stacked: torch.Tensor, ranks: torch.Tensor | None = None,

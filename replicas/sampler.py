@@ -1,0 +1,181 @@
+"""Sampler: logits -> next tokens, batched over requests with different settings.
+
+Order of operations (as in vLLM): penalties, then greedy argmax for
+temperature-0 rows; for the others temperature, min_p, top_k, top_p and a
+draw. Logprobs are taken from the raw model logits (log_softmax before any
+penalty or temperature), as vLLM returns them by default.
+
+A seeded request draws from its own torch.Generator, one row of noise per
+step, so its tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from replicas.sampling_params import SamplingParams
+from replicas.sequence import Sequence
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprobs of one generated token: the sampled one and the top-k of the step."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+    def as_dict(self) -> dict[int, float]:
+        """{token_id: logprob} for the top-k plus the sampled token (vLLM's shape)."""
+        d = dict(zip(self.top_token_ids, self.top_logprobs))
+        d[self.token_id] = self.logprob
+        return d
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: torch.Tensor  # [N] int64, on the logits' device
+    logprobs: list[SampleLogprobs | None]  # None where the request asked for none
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+class Sampler:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        seqs: Seq[Sequence],
+        params: Seq[SamplingParams] | None = None,
+    ) -> SamplerOutput:
+        """logits: [N, V], one row per sequence (row i samples for seqs[i]).
+
+        params defaults to each sequence's sampling_params. Penalties read the
+        sequences' tokens (presence and frequency: outputs; repetition:
+        prompt and outputs, as in vLLM and HF).
+        """
+        if params is None:
+            params = [s.sampling_params for s in seqs]
+        n, vocab = logits.shape
+        if len(seqs) != n or len(params) != n:
+            raise ValueError(f"sample: {n} logits rows for {len(seqs)} sequences and {len(params)} params")
+        raw = logits.float()
+        logits = raw.clone()
+
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, seqs, params)
+        greedy_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        token_ids = greedy_ids
+        if random_rows:
+            token_ids = greedy_ids.clone()
+            rows = torch.tensor(random_rows, device=logits.device)
+            sub = [params[i] for i in random_rows]
+            token_ids[rows] = self._sample_random(logits[rows], [seqs[i] for i in random_rows], sub)
+
+        logprobs: list[SampleLogprobs | None] = [None] * n
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            logprobs = self._logprobs(raw, token_ids, want, params, n)
+        return SamplerOutput(token_ids, logprobs)
+
+    # -- steps ------------------------------------------------------------
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence], params: Seq[SamplingParams]) -> torch.Tensor:
+        n, vocab = logits.shape
+        device = logits.device
+
+        def counts(token_lists: list[list[int]]) -> torch.Tensor:
+            # Padding goes to an extra column that is dropped afterwards.
+            width = max((len(t) for t in token_lists), default=0)
+            ids = torch.full((n, max(width, 1)), vocab, dtype=torch.long)
+            for i, t in enumerate(token_lists):
+                if t:
+                    ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            c = torch.zeros((n, vocab + 1), dtype=logits.dtype)
+            c.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+            return c[:, :vocab].to(device)
+
+        out_counts = counts([list(s.output_token_ids) for s in seqs])
+        rep = _column([p.repetition_penalty for p in params], logits)
+        if bool((rep != 1).any()):
+            seen = (counts([list(s.prompt_token_ids) for s in seqs]) > 0) | (out_counts > 0)
+            scaled = torch.where(logits > 0, logits / rep, logits * rep)
+            logits = torch.where(seen, scaled, logits)
+        freq = _column([p.frequency_penalty for p in params], logits)
+        presence = _column([p.presence_penalty for p in params], logits)
+        return logits - freq * out_counts - presence * (out_counts > 0).to(logits.dtype)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        logits = logits / _column([p.temperature for p in params], logits)
+
+        min_p = _column([p.min_p for p in params], logits)
+        if bool((min_p > 0).any()):
+            probs = logits.softmax(dim=-1)
+            too_small = probs < min_p * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(too_small, float("-inf"))
+
+        top_k = [p.top_k_or_off for p in params]
+        top_p = [p.top_p for p in params]
+        if any(top_k) or any(p < 1 for p in top_p):
+            logits = _apply_top_k_top_p(logits, top_k, top_p)
+
+        probs = logits.softmax(dim=-1)
+        # Gumbel-style draw: argmax(p / q) with q ~ Exp(1) samples from p.
+        q = torch.empty_like(probs)
+        unseeded = []
+        for i, seq in enumerate(seqs):
+            gen = seq.generator(probs.device)
+            if gen is None:
+                unseeded.append(i)
+            else:
+                q[i].exponential_(generator=gen)
+        if unseeded:
+            idx = torch.tensor(unseeded, device=probs.device)
+            q[idx] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, token_ids: torch.Tensor, rows: list[int], params: Seq[SamplingParams], n: int
+    ) -> list[SampleLogprobs | None]:
+        idx = torch.tensor(rows, device=raw.device)
+        lp = raw[idx].log_softmax(dim=-1)
+        chosen = token_ids[idx]
+        chosen_lp = lp.gather(1, chosen.unsqueeze(1))
+        ranks = (lp > chosen_lp).sum(dim=-1) + 1
+        k = max(params[i].logprobs for i in rows)
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        chosen, chosen_lp, ranks = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
+        out: list[SampleLogprobs | None] = [None] * n
+        for j, i in enumerate(rows):
+            kk = params[i].logprobs
+            out[i] = SampleLogprobs(chosen[j], chosen_lp[j], ranks[j], top_ids[j][:kk], top_lp[j][:kk])
+        return out
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top_k (0 = off) and top_p nucleus.
+
+    The most likely token always survives, so top_p near 0 is greedy.
+    """
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(1)
+    drop = positions >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+    p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device).unsqueeze(1)
+    drop = drop | (before >= p)
+    drop[:, 0] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))

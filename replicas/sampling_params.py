@@ -1,0 +1,111 @@
+"""SamplingParams: how one request picks its tokens (shaped like vLLM's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replicas.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings for one request.
+
+    temperature 0 means greedy. top_k -1 or 0 means off. logprobs=k returns
+    the k most likely tokens of each step (from the raw model distribution)
+    plus the sampled one. stop strings are matched by the detokenizer;
+    stop_token_ids and EOS by the scheduler. Invalid values raise
+    InvalidRequestError naming every field at fault.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        problems: list[tuple[str, str]] = []
+
+        def bad(name: str, need: str) -> None:
+            problems.append((name, f"SamplingParams.{name} must be {need}, got {getattr(self, name)!r}"))
+
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "an integer >= 1")
+        elif self.n > 1:
+            bad("n", "1 (several completions per request are not supported; send n requests)")
+        if not _is_num(self.temperature) or not self.temperature >= 0:
+            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            bad("top_k", "-1 or 0 (off) or an integer >= 1")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "a number in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "an integer or None")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "an integer >= 1")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "a non-empty string or a list of non-empty strings")
+        else:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple, set)) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "a list of token ids >= 0")
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2 <= v <= 2:
+                bad(name, "a number in [-2, 2]")
+        if not _is_num(self.repetition_penalty) or not self.repetition_penalty > 0:
+            bad("repetition_penalty", "a number > 0")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "a bool")
+        if problems:
+            raise InvalidRequestError(problems)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def top_k_or_off(self) -> int:
+        """top_k with 'off' normalised to 0."""
+        return self.top_k if self.top_k > 0 else 0

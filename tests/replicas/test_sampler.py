@@ -1,0 +1,147 @@
+"""Sampler: greedy, top_k/top_p/min_p, penalties, seeded reproducibility, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replicas.sampler import Sampler
+from replicas.sampling_params import SamplingParams
+from replicas.sequence import Sequence
+
+PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]
+
+
+def seqs_for(params, prompt=(1, 2), outputs=()):
+    out = []
+    for i, p in enumerate(params):
+        s = Sequence(f"r{i}", list(prompt), p)
+        s.output_token_ids = list(outputs)
+        out.append(s)
+    return out
+
+
+def sample(logits, **kw):
+    params = [SamplingParams(**kw) for _ in range(logits.shape[0])]
+    return Sampler().sample(logits, seqs_for(params))
+
+
+def support(n=4000, **kw):
+    logits = torch.tensor(PROBS).log().expand(n, -1).contiguous()
+    return torch.bincount(sample(logits, **kw).token_ids, minlength=len(PROBS))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
+    tokens, lps = sample(logits, temperature=0)
+    assert torch.equal(tokens, logits.argmax(-1)) and lps == [None] * 8
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-4), dict(min_p=1.0)])
+def test_filters_that_reduce_to_greedy(kw):
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
+    kw = {"temperature": 1.0, **kw}
+    assert torch.equal(sample(logits, **kw).token_ids, logits.argmax(-1))
+
+
+def test_plain_sampling_follows_the_distribution():
+    freq = support(n=20000).float() / 20000
+    assert torch.allclose(freq, torch.tensor(PROBS), atol=0.02)
+
+
+@pytest.mark.parametrize(
+    "kw, allowed",
+    [
+        (dict(top_k=2), {0, 1}),
+        (dict(top_p=0.6), {0, 1}),  # 0.4 < 0.6, 0.4 + 0.3 covers it
+        (dict(top_p=0.75), {0, 1, 2}),
+        (dict(min_p=0.5), {0, 1}),  # keep p >= 0.5 * 0.4
+        (dict(min_p=0.3), {0, 1, 2}),
+        (dict(top_k=3, top_p=0.5), {0, 1}),
+    ],
+)
+def test_filters_restrict_support(kw, allowed):
+    counts = support(**kw)
+    assert {i for i, c in enumerate(counts.tolist()) if c} == allowed
+
+
+def test_mixed_batch_keeps_each_rows_settings():
+    logits = torch.tensor(PROBS).log().expand(6, -1).contiguous()
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(seed=3),
+              SamplingParams(temperature=0, presence_penalty=2.0), SamplingParams(), SamplingParams(top_p=1e-9)]
+    seqs = seqs_for(params, outputs=[0])
+    tokens, _ = Sampler().sample(logits, seqs)
+    assert tokens[[0, 1, 5]].tolist() == [0, 0, 0] and tokens[3].item() == 1  # penalty moves row 3 off token 0
+
+
+def test_penalties_match_their_definitions():
+    vocab = 8
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, -0.5, 3.0, 0.0, 1.5]] * 4)
+    params = [
+        SamplingParams(temperature=0, presence_penalty=1.5),
+        SamplingParams(temperature=0, frequency_penalty=0.5),
+        SamplingParams(temperature=0, repetition_penalty=2.0),
+        SamplingParams(temperature=0),
+    ]
+    seqs = seqs_for(params, prompt=(0, 1), outputs=(3, 3, 5))
+    got = Sampler._apply_penalties(logits.clone(), seqs, params)
+    exp = logits.clone()
+    exp[0, [3, 5]] -= 1.5  # presence: once per distinct output token
+    exp[1, 3] -= 1.0  # frequency: per occurrence
+    exp[1, 5] -= 0.5
+    for t in (0, 3, 5):  # repetition: prompt and output tokens; positive logits divided
+        exp[2, t] /= 2.0
+    exp[2, 1] *= 2.0  # negative logits multiplied
+    assert torch.allclose(got, exp) and got.shape == (4, vocab)
+
+
+def test_penalties_change_sampling_not_logprobs():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    seq = seqs_for([SamplingParams(temperature=0, frequency_penalty=1.0, logprobs=1)], outputs=[0])
+    tokens, lps = Sampler().sample(logits, seq)
+    assert tokens.item() == 1
+    assert lps[0].logprob == pytest.approx(logits.log_softmax(-1)[0, 1].item())
+
+
+def run_seeded(seed, batch_position, batch_size, steps=6, vocab=40):
+    """Tokens of one seeded request sampled inside a batch of unseeded/other requests."""
+    target = Sequence("t", [1], SamplingParams(seed=seed, top_p=0.95))
+    others = [Sequence(f"o{i}", [1], SamplingParams(seed=None if i % 2 else 100 + i)) for i in range(batch_size - 1)]
+    batch = others[:batch_position] + [target] + others[batch_position:]
+    g = torch.Generator().manual_seed(1234)
+    logits_target = [torch.randn(vocab, generator=g) for _ in range(steps)]
+    sampler, tokens = Sampler(), []
+    for step in range(steps):
+        logits = torch.randn(len(batch), vocab)
+        logits[batch_position] = logits_target[step]
+        tokens.append(sampler.sample(logits, batch).token_ids[batch_position].item())
+    return tokens
+
+
+def test_seeded_sampling_reproducible_regardless_of_batch():
+    alone = run_seeded(7, 0, 1)
+    assert run_seeded(7, 0, 1) == alone
+    assert run_seeded(7, 2, 5) == alone
+    assert run_seeded(7, 4, 8) == alone
+    assert run_seeded(8, 0, 1) != alone
+
+
+def test_logprobs_match_log_softmax():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(5)) * 3
+    params = [SamplingParams(logprobs=5, seed=1), SamplingParams(logprobs=0, temperature=0), SamplingParams()]
+    tokens, lps = Sampler().sample(logits, seqs_for(params))
+    ref = logits.log_softmax(-1)
+    top_lp, top_ids = ref[0].topk(5)
+    assert lps[0].top_token_ids == top_ids.tolist()
+    assert lps[0].top_logprobs == pytest.approx(top_lp.tolist(), abs=1e-6)
+    for row in (0, 1):
+        t = tokens[row].item()
+        assert lps[row].token_id == t and lps[row].logprob == pytest.approx(ref[row, t].item(), abs=1e-6)
+        assert lps[row].rank == int((ref[row] > ref[row, t]).sum()) + 1
+    assert lps[1].rank == 1 and lps[1].top_token_ids == [] and lps[1].as_dict() == {tokens[1].item(): lps[1].logprob}
+    assert lps[2] is None
+
+
+def test_row_count_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="2 logits rows for 1 sequences"):
+        Sampler().sample(torch.zeros(2, 4), seqs_for([SamplingParams()]))
