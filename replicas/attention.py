@@ -1,0 +1,170 @@
+"""Paged KV cache layout, per-step attention metadata, and the plain-torch reference attention.
+
+Cache layout, per layer (this TP rank's kv heads only):
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+Token p of a sequence lives in slot ``block_table[p // block_size] * block_size
++ p % block_size``; slot s is row s of ``cache.view(-1, num_kv_heads, head_dim)``.
+
+A step's batch mixes prefill chunks and decode tokens: sequence i contributes
+query_lens[i] new tokens (1 for a decode) at positions
+[seq_lens[i] - query_lens[i], seq_lens[i]), which attend to every cached token
+of the sequence before them and causally among themselves.
+
+An attention backend is a callable with the signature of ``reference_attention``;
+the CPU path uses it, a GPU backend (Triton) plugs into ``Attention(backend=...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer.
+
+    query_start_loc: [num_seqs + 1] int32, sequence i's new tokens are rows
+        query_start_loc[i]:query_start_loc[i+1] of q / k / v (sequences are contiguous).
+    seq_lens: [num_seqs] int32, context length of each sequence INCLUDING its new tokens.
+    block_tables: [num_seqs, max_blocks] int32, physical block ids of each sequence (padding arbitrary).
+    slot_mapping: [num_tokens] int64, cache slot for each new token's K/V; -1 = do not write (padding).
+    max_query_len / max_seq_len: host-side maxima (kernel launch sizes).
+    query_lens_host / seq_lens_host: host copies, so the reference path never syncs with the device.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_lens_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @classmethod
+    def build(cls, query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata for sequences with ``query_lens`` new tokens each, ``seq_lens`` context each (new included)."""
+        if not len(query_lens) == len(seq_lens) == len(block_tables):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        slots, starts = [], [0]
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+            if not 0 <= q_len <= s_len or len(table) * block_size < s_len:
+                raise ValueError(f"sequence with {q_len} new of {s_len} tokens does not fit {len(table)} blocks")
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(s_len - q_len, s_len)]
+            starts.append(starts[-1] + q_len)
+        width = max((len(t) for t in block_tables), default=0)
+        tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(query_start_loc=tensor(starts, torch.int32), seq_lens=tensor(list(seq_lens), torch.int32),
+                   block_tables=tensor(tables, torch.int32).reshape(len(tables), width),
+                   slot_mapping=tensor(slots, torch.int64), max_query_len=max(query_lens, default=0),
+                   max_seq_len=max(seq_lens, default=0), query_lens_host=tuple(query_lens),
+                   seq_lens_host=tuple(seq_lens))
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim], zeroed."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def kv_cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers (K and V): divide a memory budget by this for num_blocks."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache.view(-1, H_kv, D)[slot_mapping[t]] = k[t] (same for v); k, v: [T, H_kv, D]; slot -1 skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of q [T, H, D] over the paged cache (already holding this step's K/V) -> [T, H, D].
+
+    Query j of sequence i sits at position p = seq_lens[i] - query_lens[i] + j
+    and attends to keys at positions k <= p (and k > p - sliding_window when
+    set). GQA: query head h reads kv head h // (H / H_kv). Scores and softmax
+    in float32; one loop iteration per sequence (a reference, not a kernel).
+    """
+    out = torch.empty_like(q)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        if q_len == 0:
+            continue
+        blocks = meta.block_tables[i, : -(-s_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:s_len].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_cache[blocks].flatten(0, 1)[:s_len].float().repeat_interleave(group, dim=1)
+        qi = q[start : start + q_len].float()
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(s_len, device=q.device).unsqueeze(0)
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        start += q_len
+    return out
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """The CPU backend: write this step's k, v [T, H_kv, D] into the cache, then attend; q [T, H, D] -> [T, H, D]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
+
+
+AttentionBackend = Callable[..., torch.Tensor]  # signature of reference_attention
+
+
+class Attention(nn.Module):
+    """Paged multi-head attention for one layer's local heads (no parameters).
+
+    forward(q [T, H*D], k [T, H_kv*D], v [T, H_kv*D], kv_cache=(k_cache, v_cache), meta) -> [T, H*D]
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} kv heads")
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale, self.sliding_window = scale, sliding_window
+        self.backend = backend or reference_attention
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        t = q.shape[0]
+        out = self.backend(q.reshape(t, self.num_heads, self.head_dim),
+                           k.reshape(t, self.num_kv_heads, self.head_dim),
+                           v.reshape(t, self.num_kv_heads, self.head_dim),
+                           kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,0 +1,11 @@
+"""Tensor-parallel building blocks of the model: linear, embedding, rotary, norm."""
+
+from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from replicas.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
+                                    RowParallelLinear)
+from replicas.layers.norm import RMSNorm, SiluAndMul
+from replicas.layers.rotary import RotaryEmbedding, rope_inv_freq
+
+__all__ = ["ColumnParallelLinear", "LinearBase", "MergedColumnParallelLinear", "ParallelLMHead",
+           "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
+           "VocabParallelEmbedding", "rope_inv_freq"]

@@ -1,0 +1,67 @@
+"""Rotary position embedding, neox style (rotate halves, as HF Llama), with linear and llama3 scaling.
+
+cos/sin are computed from the positions on each call (positions * inv_freq in
+float32, exactly as HF does), so no [max_position, head_dim] table is held.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from replicas.model_config import ModelConfigError, RopeScaling
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies, scaled per ``scaling``."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scaling = scaling or RopeScaling()
+    if scaling.rope_type == "default":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3(inv_freq, scaling)
+    raise ModelConfigError(f"rope type {scaling.rope_type!r} is not supported")
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by factor, short ones kept, a smooth blend between."""
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_len / s.low_freq_factor, old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """forward(positions [T], q [T, n_q*d], k [T, n_k*d]) -> rotated (q, k), same shapes and dtype."""
+
+    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, scaling), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] in ``dtype``."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, q.dtype)
+        qh = q.unflatten(-1, (-1, self.head_dim))
+        kh = k.unflatten(-1, (-1, self.head_dim))
+        q_out = qh * cos + _rotate_half(qh) * sin
+        k_out = kh * cos + _rotate_half(kh) * sin
+        return q_out.reshape(q.shape), k_out.reshape(k.shape)

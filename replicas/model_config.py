@@ -1,0 +1,214 @@
+"""ModelConfig: what the engine needs from an HF-format model directory.
+
+Reads config.json (Llama, Mistral, Qwen2 architectures) and, when present,
+generation_config.json. Both the transformers v4 layout (top-level
+``rope_theta`` + ``rope_scaling``) and the v5 one (``rope_parameters``) parse
+to the same RopeScaling.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                           "Qwen2ForCausalLM": "qwen2"}
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+
+
+class ModelConfigError(ValueError):
+    """A model directory's config cannot be served (unsupported, malformed, or bad engine settings)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """rope_type "default" (none), "linear" (positions / factor) or "llama3" (Llama 3.1 frequency bands)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+    path: str | None = None
+    generation_config: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto",
+                        device: str | torch.device | None = None) -> "ModelConfig":
+        """Parse ``path``/config.json (+ generation_config.json).
+
+        dtype "auto": float32 on CPU; on GPU the checkpoint's bfloat16/float16,
+        bfloat16 for a float32 or unmarked checkpoint. ``device`` defaults to
+        CUDA when available.
+        """
+        path = Path(path)
+        raw = _read_json(path / "config.json", required=True)
+        gen = _read_json(path / "generation_config.json", required=False) or {}
+        return cls.from_dict(raw, dtype=dtype, device=device, generation_config=gen, path=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], dtype: str | torch.dtype = "auto",
+                  device: str | torch.device | None = None, generation_config: dict[str, Any] | None = None,
+                  path: str | None = None) -> "ModelConfig":
+        where = path or "config"
+        arch = _architecture(raw, where)
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+            values = dict(vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
+                          intermediate_size=int(raw["intermediate_size"]),
+                          num_hidden_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,
+                          num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                          head_dim=int(raw.get("head_dim") or hidden // heads),
+                          rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                          max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                          tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
+        except KeyError as exc:
+            raise ModelConfigError(f"{where}: config.json lacks {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ModelConfigError(f"{where}: config.json has a malformed field: {exc}") from None
+        if heads % values["num_key_value_heads"]:
+            raise ModelConfigError(f"{where}: {heads} attention heads are not a multiple of "
+                                   f"{values['num_key_value_heads']} key/value heads")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        theta, scaling = _rope(raw, where)
+        gen = dict(generation_config or {})
+        return cls(architecture=arch, model_type=model_type, **values, rope_theta=theta, rope_scaling=scaling,
+                   **_biases(raw, model_type), sliding_window=_sliding_window(raw, model_type, where),
+                   bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
+                   eos_token_ids=_token_ids(gen.get("eos_token_id", raw.get("eos_token_id"))),
+                   dtype=resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"), device),
+                   path=path, generation_config=gen)
+
+    def check_tp(self, tp_size: int) -> None:
+        """Raise ModelConfigError unless heads, kv heads and the MLP split evenly over tp_size ranks."""
+        kv = self.num_key_value_heads
+        problems = []
+        if self.num_attention_heads % tp_size:
+            problems.append(f"{self.num_attention_heads} attention heads")
+        if (kv % tp_size) if kv >= tp_size else (tp_size % kv):
+            problems.append(f"{kv} key/value heads (need a multiple or a divisor of tp_size)")
+        if self.intermediate_size % tp_size:
+            problems.append(f"intermediate_size {self.intermediate_size}")
+        if problems:
+            raise ModelConfigError(f"tensor_parallel_size {tp_size} does not split " + ", ".join(problems))
+
+    def num_local_kv_heads(self, tp_size: int) -> int:
+        """KV heads held by each rank: replicated (1 per rank) when there are fewer kv heads than ranks."""
+        return max(1, self.num_key_value_heads // tp_size)
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None,
+                  device: str | torch.device | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ModelConfigError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ModelConfigError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+        return DTYPES[dtype]
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow and lossy
+    ckpt = DTYPES.get(str(checkpoint_dtype).removeprefix("torch."))
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise ModelConfigError(f"{path} not found: not an HF-format model directory")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"{path}: unreadable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def _architecture(raw: dict[str, Any], where: str) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    if not archs:  # a bare config (no "architectures") still names its model_type
+        by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+        if raw.get("model_type") in by_type:
+            return by_type[raw["model_type"]]
+    raise ModelConfigError(f"{where}: architecture {archs or raw.get('model_type')!r} is not supported; "
+                           f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+
+
+def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling]:
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelConfigError(f"{where}: rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, RopeScaling()
+    try:
+        if rope_type == "linear":
+            return theta, RopeScaling("linear", factor=float(params["factor"]))
+        return theta, RopeScaling("llama3", factor=float(params["factor"]),
+                                  low_freq_factor=float(params["low_freq_factor"]),
+                                  high_freq_factor=float(params["high_freq_factor"]),
+                                  original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    except KeyError as exc:
+        raise ModelConfigError(f"{where}: {rope_type} rope scaling lacks {exc.args[0]!r}") from None
+
+
+def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
+    if model_type == "qwen2":  # Qwen2 always has q/k/v bias and no o_proj/MLP bias
+        return dict(qkv_bias=True, o_proj_bias=False, mlp_bias=False)
+    attn = bool(raw.get("attention_bias", False))
+    return dict(qkv_bias=attn, o_proj_bias=attn, mlp_bias=bool(raw.get("mlp_bias", False)))
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str, where: str) -> int | None:
+    if model_type == "mistral":
+        return raw.get("sliding_window")
+    if model_type == "qwen2" and raw.get("use_sliding_window"):
+        raise ModelConfigError(f"{where}: Qwen2 per-layer sliding window attention is not supported")
+    return None
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)

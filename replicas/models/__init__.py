@@ -1,0 +1,34 @@
+"""Model definitions, picked by the checkpoint's architecture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from replicas.attention import AttentionBackend
+from replicas.loader import iterate_weights
+from replicas.model_config import ModelConfig
+from replicas.models.llama import LlamaForCausalLM
+from replicas.parallel import ParallelContext
+
+MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
+                  "Qwen2ForCausalLM": LlamaForCausalLM}
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class serving ``config.architecture`` (ModelConfig has already refused unsupported ones)."""
+    return MODEL_REGISTRY[config.architecture]
+
+
+def load_model(path: str | Path, config: ModelConfig | None = None, ctx: ParallelContext | None = None,
+               device: torch.device | str = "cpu", attn_backend: AttentionBackend | None = None) -> LlamaForCausalLM:
+    """Build the model for ``path`` directly on ``device`` and load this rank's shards of its weights."""
+    config = config or ModelConfig.from_pretrained(path, device=device)
+    with torch.device(device):
+        model = model_class(config)(config, ctx, attn_backend)
+    model.load_weights(iterate_weights(path))
+    return model.eval()
+
+
+__all__ = ["LlamaForCausalLM", "MODEL_REGISTRY", "load_model", "model_class"]

@@ -1,0 +1,160 @@
+"""The Llama family (Llama 2/3/3.x, Mistral, Qwen2) over tensor-parallel layers and a paged KV cache.
+
+Module names follow HF with q/k/v packed into ``qkv_proj`` and gate/up into
+``gate_up_proj`` (as vLLM), e.g. "model.layers.0.self_attn.qkv_proj".
+Sharding lives in the layers; this file reads like the architecture.
+
+To build on a GPU without a CPU copy, construct under ``with torch.device("cuda"):``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from replicas.attention import Attention, AttentionBackend, AttentionMetadata
+from replicas.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                             RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+from replicas.loader import CheckpointError, default_weight_loader
+from replicas.model_config import ModelConfig
+from replicas.parallel import ParallelContext
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None) -> None:
+        super().__init__()
+        dtype, hd = config.dtype, config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads,
+                                          config.num_key_value_heads, config.qkv_bias, ctx, dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
+                                        config.o_proj_bias, ctx, dtype)
+        self.q_size = self.qkv_proj.num_heads * hd
+        self.kv_size = self.qkv_proj.num_kv_heads * hd
+        self.rotary_emb = RotaryEmbedding(hd, config.rope_theta, config.rope_scaling)
+        self.attn = Attention(self.qkv_proj.num_heads, hd, self.qkv_proj.num_kv_heads, hd ** -0.5,
+                              config.sliding_window, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext) -> None:
+        super().__init__()
+        inter, dtype = config.intermediate_size, config.dtype
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], config.mlp_bias, ctx, dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, ctx, dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ctx, backend)
+        self.mlp = LlamaMLP(config, ctx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, config.dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ctx, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H]; compute_logits -> [N, V]."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    # (packed param name, checkpoint name, shard id)
+    stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
+                              (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
+                              (".gate_up_proj", ".up_proj", 1)]
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext | None = None,
+                 attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        ctx = ctx or ParallelContext()
+        config.check_tp(ctx.tp_size)
+        self.config, self.ctx = config, ctx
+        self.model = LlamaModel(config, ctx, attn_backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, config.dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] (the rows to sample) -> logits [N, vocab_size] on every rank."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named full tensors; each parameter cuts its own shard. Returns the loaded param names.
+
+        Raises CheckpointError for a tensor the model has no place for, a shape
+        that does not fit, or a parameter the checkpoint never provided.
+        """
+        params = dict(self.named_parameters())  # a tied lm_head.weight is listed once, as embed_tokens
+        shards: dict[str, set] = {}  # param name -> shard ids loaded (None for a whole tensor)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
+                continue  # recomputed from the config
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding table is the head
+            target, shard_id = name, None
+            for packed, sub, sid in self.stacked_params_mapping:
+                if sub in name:
+                    target, shard_id = name.replace(sub, packed), sid
+                    break
+            param = params.get(target)
+            if param is None:
+                raise CheckpointError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{name}: {exc}") from None
+            shards.setdefault(target, set()).add(shard_id)
+        missing = sorted(name for name in params
+                         if None not in shards.get(name, ()) and not shards.get(name, set()) >= self._shards_needed(name))
+        if missing:
+            raise CheckpointError(f"checkpoint lacks weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        return set(shards)
+
+    def _shards_needed(self, param_name: str) -> set:
+        for packed in {p for p, _, _ in self.stacked_params_mapping}:
+            if packed + "." in param_name:
+                return {sid for p, _, sid in self.stacked_params_mapping if p == packed}
+        return {None}

@@ -1,0 +1,86 @@
+"""Tensor-parallel plumbing: the ParallelContext every parallel layer is given, and process-group setup.
+
+There is no module-global TP state: each layer holds the ParallelContext it
+was built with, so two models (or a test's TP=1 oracle and its TP=2 run) can
+live in one process. At tp_size 1 every collective is a no-op.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This process's place in the tensor-parallel group.
+
+    group: the torch.distributed process group of the TP ranks; None means the
+    default (world) group, and is the only value at tp_size 1.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"bad tensor-parallel position: rank {self.tp_rank} of {self.tp_size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the TP ranks, in place; returns x."""
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's x along ``dim`` in rank order ([..., n] -> [..., n * tp_size])."""
+        if self.tp_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def divide(self, size: int, what: str) -> int:
+        """size / tp_size, or ValueError naming ``what`` when it does not split evenly."""
+        if size % self.tp_size:
+            raise ValueError(f"{what} {size} is not divisible by tensor_parallel_size {self.tp_size}")
+        return size // self.tp_size
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str | None = None) -> ParallelContext:
+    """Join the TP group (one TP group per process group: the world) and return this rank's context.
+
+    backend defaults to nccl when CUDA is available, gloo otherwise. With nccl
+    the rank binds to GPU ``rank % device_count`` (so a worker that sees only
+    its own GPU through CUDA_VISIBLE_DEVICES takes device 0).
+    """
+    backend = backend or default_backend()
+    if world_size == 1:
+        return ParallelContext()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return ParallelContext(tp_rank=rank, tp_size=world_size, group=None)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (the OS picks it; the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,119 @@
+"""Tiny random HF checkpoints and a mixed-batch step runner shared by the replicas tests.
+
+Checkpoints are written once per session with transformers' own
+save_pretrained, with weights re-drawn larger than HF's init (std 0.02 would
+make every logit near zero and every comparison trivially close).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from replicas.attention import AttentionMetadata, allocate_kv_caches
+from replicas.models import LlamaForCausalLM, load_model
+from replicas.model_config import ModelConfig
+from replicas.parallel import ParallelContext
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+            max_position_embeddings=256, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}  # wavelengths fall in all three llama3 bands
+CHECKPOINTS = {
+    "llama3_tied": ("LlamaConfig", dict(num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True,
+                                      rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)),
+    "llama_mqa_bias": ("LlamaConfig", dict(num_key_value_heads=1, vocab_size=121, attention_bias=True, mlp_bias=True,
+                                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral_swa": ("MistralConfig", dict(num_key_value_heads=2, vocab_size=128, sliding_window=5)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, vocab_size=128)),
+}
+
+# One engine-like run: each step lists (sequence, new tokens). Step 2 mixes a second prefill
+# chunk (a), a decode (b) and a fresh prefill (c); later steps mix decodes with a long prefill (d).
+MIXED_STEPS = [[("a", 5), ("b", 7)],
+               [("a", 4), ("b", 1), ("c", 4)],
+               [("a", 1), ("b", 1), ("c", 1), ("d", 10)],
+               [("a", 1), ("c", 1), ("d", 1)],
+               [("d", 1)],
+               [("d", 1)]]
+BLOCK_SIZE, NUM_BLOCKS = 4, 24
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else (0.5 if "embed" in name else 0.08) * noise)
+
+
+def write_checkpoint(path: Path, name: str, seed: int = 0, **save_kwargs) -> Path:
+    import transformers  # imported here: TP worker processes import this module and need no transformers
+
+    config_cls, fields = CHECKPOINTS[name]
+    config = getattr(transformers, config_cls)(**TINY, **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    model.save_pretrained(path, safe_serialization=True, **save_kwargs)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(name) -> path of that CHECKPOINTS entry, written once per session."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = write_checkpoint(tmp_path_factory.mktemp(name), name)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def sharded_checkpoint(tmp_path_factory) -> Path:
+    """llama3_tied split over several files with a model.safetensors.index.json."""
+    return write_checkpoint(tmp_path_factory.mktemp("llama3_sharded"), "llama3_tied", max_shard_size="40KB")
+
+
+def sequence_tokens(steps, vocab_size: int, seed: int = 0) -> dict[str, list[int]]:
+    """Random token ids for every sequence in ``steps``, as many as the steps consume."""
+    lengths: dict[str, int] = {}
+    for step in steps:
+        for seq, n in step:
+            lengths[seq] = lengths.get(seq, 0) + n
+    gen = torch.Generator().manual_seed(seed)
+    return {seq: torch.randint(0, vocab_size, (n,), generator=gen).tolist() for seq, n in lengths.items()}
+
+
+def build_model(path: Path, ctx: ParallelContext | None = None) -> LlamaForCausalLM:
+    return load_model(path, ModelConfig.from_pretrained(path, dtype="float32"), ctx)
+
+
+@torch.no_grad()
+def run_steps(model: LlamaForCausalLM, steps, tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Feed ``steps`` through the paged cache (blocks scattered, not in order); logits [len, V] per sequence."""
+    cfg = model.config
+    caches = allocate_kv_caches(cfg.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE,
+                                cfg.num_local_kv_heads(model.ctx.tp_size), cfg.head_dim, cfg.dtype)
+    free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+    tables = {seq: [free.pop() for _ in range(-(-len(ids) // BLOCK_SIZE))] for seq, ids in tokens.items()}
+    done = dict.fromkeys(tokens, 0)
+    logits: dict[str, list[torch.Tensor]] = {seq: [] for seq in tokens}
+    for step in steps:
+        ids, positions, query_lens, seq_lens = [], [], [], []
+        for seq, n in step:
+            start = done[seq]
+            ids += tokens[seq][start : start + n]
+            positions += range(start, start + n)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            done[seq] = start + n
+        meta = AttentionMetadata.build(query_lens, seq_lens, [tables[s] for s, _ in step], BLOCK_SIZE)
+        hidden = model(torch.tensor(ids), torch.tensor(positions), caches, meta)
+        for (seq, _), part in zip(step, model.compute_logits(hidden).split(query_lens)):
+            logits[seq].append(part)
+    return {seq: torch.cat(parts) for seq, parts in logits.items()}
