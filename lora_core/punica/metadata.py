@@ -58,6 +58,7 @@ class PunicaMetadata:
         self._counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
         self._tile_ids = torch.arange(worst_tiles, dtype=torch.int64, device=device)
         self.num_rows = 0
+        self.num_adapters = 0  # distinct slots this step; 0 lets layers skip LoRA entirely
         self.block_m = 16
         self.max_tiles = 1
 
@@ -70,6 +71,7 @@ class PunicaMetadata:
         if n > self.max_rows:
             raise ValueError(f"{n} rows exceed the {self.max_rows} this PunicaWrapper was sized for")
         self.num_rows = n
+        self.num_adapters = num_adapters
         self.block_m = choose_block_m(n, num_adapters)
         self.max_tiles = max_tiles(n, self.num_slots, self.block_m)
         if n == 0:

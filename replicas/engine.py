@@ -1,0 +1,218 @@
+"""LLMEngine: continuous batching over one replica (scheduler + executor + sampler + detokenizer).
+
+add_request validates everything it can before accepting a request (prompt,
+sampling parameters, adapter), so a bad request fails alone and the engine
+keeps serving the others. step() runs one model step for the whole mixed
+batch and returns a cumulative RequestOutput for every request it advanced
+or finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_core.config import LoRAConfig
+from lora_core.errors import LoRAError, UnknownLoRAError
+from lora_core.request import LoRARequest
+from replicas.block_manager import BlockManager
+from replicas.errors import InvalidRequestError
+from replicas.executor import make_executor
+from replicas.model_runner import RunnerConfig, StepInput
+from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.sampler import Sampler
+from replicas.sampling_params import SamplingParams
+from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from replicas.sequence import Sequence
+from replicas.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    device: str | None = None  # default: cuda when available
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    fully_sharded_loras: bool = False
+    block_size: int = 16
+    num_kv_blocks: int = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras, fully_sharded_loras=self.fully_sharded_loras)
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    lora_name: str | None
+    logprobs: list[dict[int, float]] | None = field(default=None)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = Tokenizer.from_pretrained(args.model)
+        self.lora_config = args.lora_config()
+        runner_cfg = RunnerConfig(model=args.model, dtype=args.dtype, device=device, block_size=args.block_size,
+                                  num_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, lora_config=self.lora_config)
+        self.executor = make_executor(runner_cfg, args.tensor_parallel_size)
+        mc = self.executor.model_config
+        self.model_config = mc
+        self.max_model_len = min(args.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_loras=args.max_loras if args.enable_lora else 0, max_model_len=self.max_model_len),
+            BlockManager(args.num_kv_blocks, args.block_size, args.enable_prefix_caching))
+        self.sampler = Sampler()
+        self._eos = tuple(mc.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
+                                               is not None else ())
+        self._requests: dict[str, _Request] = {}
+        self._loras: dict[str, LoRARequest] = {}
+
+    # ---- adapters ---------------------------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load and validate an adapter on every rank; a bad adapter raises and changes nothing."""
+        known = self._loras.get(request.lora_name)
+        if known is not None:
+            if known != request:
+                raise InvalidRequestError([("lora_request", f"adapter {request.lora_name!r} is already registered "
+                                            f"as id {known.lora_int_id} at {known.lora_path}")])
+            return
+        if self.lora_config is None:
+            raise InvalidRequestError([("lora_request", "this engine was started without enable_lora")])
+        if any(r.lora_int_id == request.lora_int_id for r in self._loras.values()):
+            raise InvalidRequestError([("lora_request", f"lora_int_id {request.lora_int_id} is already in use")])
+        self.executor.call("add_lora", request)
+        self._loras[request.lora_name] = request
+
+    def remove_lora(self, name: str) -> bool:
+        request = self._loras.get(name)
+        if request is None:
+            return False
+        if any(r.seq.lora_int_id == request.lora_int_id for r in self._requests.values()):
+            raise InvalidRequestError([("lora_name", f"adapter {name!r} is in use by running requests")])
+        self.executor.call("remove_lora", request.lora_int_id)
+        del self._loras[name]
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self._loras.values())
+
+    def pin_lora(self, name: str) -> bool:
+        if name not in self._loras:
+            raise UnknownLoRAError(f"unknown adapter {name!r}")
+        return self.executor.call("pin_lora", self._loras[name].lora_int_id)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        params = params or SamplingParams()
+        text, ids = self._tokenize(prompt)
+        if lora_request is not None:
+            try:
+                self.add_lora(lora_request)
+            except LoRAError as exc:  # the adapter's own problem, for this request only
+                raise InvalidRequestError([("lora_request", str(exc))]) from exc
+        seq = Sequence(request_id, ids, params, lora_request, eos_token_ids=self._eos)
+        self.scheduler.add(seq)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
+                                       skip_special_tokens=params.skip_special_tokens,
+                                       include_stop_str_in_output=params.include_stop_str_in_output)
+        self._requests[request_id] = _Request(seq, text, detok, lora_request.lora_name if lora_request else None,
+                                              [] if params.logprobs is not None else None)
+
+    def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError([("prompt", "the prompt is empty")])
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            vocab = self.model_config.vocab_size
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+                raise InvalidRequestError([("prompt_token_ids", f"must be a list of token ids in [0, {vocab})")])
+            return None, list(ids)
+        raise InvalidRequestError([("prompt", "must be a string or {'prompt_token_ids': [...]}")])
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        return seq is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        touched: dict[str, Sequence] = {}
+        if out.scheduled:
+            samplers = [s.seq for s in out.scheduled if s.samples]
+            logits = self.executor.execute(self._step_input(out))
+            sampled = self.sampler.sample(logits, samplers)
+            tokens = sampled.token_ids.tolist()
+            self.scheduler.update_from_output(out, {s.request_id: t for s, t in zip(samplers, tokens)})
+            for seq, token, lp in zip(samplers, tokens, sampled.logprobs):
+                state = self._requests[seq.request_id]
+                if state.logprobs is not None and lp is not None:
+                    state.logprobs.append(lp.as_dict())
+                delta = state.detok.add_tokens([token])
+                if delta.stopped:
+                    self.scheduler.finish(seq, "stop", state.detok.stop_str)
+                touched[seq.request_id] = seq
+        for seq in out.finished:
+            touched.setdefault(seq.request_id, seq)
+        for request_id, seq in list(touched.items()):
+            if seq.is_finished and request_id not in self._requests:
+                touched.pop(request_id)
+        results = [self._output(seq) for seq in touched.values()]
+        for seq in touched.values():
+            if seq.is_finished:
+                self._requests.pop(seq.request_id, None)
+        return results
+
+    def _step_input(self, out: SchedulerOutput) -> StepInput:
+        step = StepInput([], [], [], [], [], [], [], [], is_prefill=any(s.is_prefill for s in out.scheduled))
+        for s in out.scheduled:
+            seq = s.seq
+            step.sample_rows += [len(step.input_ids) + s.num_new_tokens - 1] if s.samples else []
+            step.input_ids += s.token_ids
+            step.positions += list(range(s.start, s.start + s.num_new_tokens))
+            step.query_lens.append(s.num_new_tokens)
+            step.seq_lens.append(s.start + s.num_new_tokens)
+            step.block_tables.append(list(seq.block_table))
+            step.token_lora_ids += [seq.lora_int_id] * s.num_new_tokens
+            step.sample_lora_ids += [seq.lora_int_id] if s.samples else []
+        return step
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        state = self._requests[seq.request_id]
+        text = state.detok.text
+        if seq.is_finished and not state.detok.stopped:
+            state.detok.finish()
+            text = state.detok.text
+        completion = CompletionOutput(0, text, list(seq.output_token_ids), state.logprobs,
+                                      seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, state.prompt, list(seq.prompt_token_ids), [completion],
+                             seq.is_finished, state.lora_name)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

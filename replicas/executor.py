@@ -1,0 +1,124 @@
+"""Executors: where the model runner(s) of one replica live.
+
+UniProcExecutor runs the single rank in this process. MultiprocExecutor runs
+rank 0 here and ranks 1..tp-1 in spawned worker processes joined by
+torch.distributed (gloo on CPU, NCCL on GPU) on a free loopback port; every
+call is sent to all ranks and run by all, so their collectives pair up. The
+cluster package adds a Ray executor with the same interface.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from typing import Any
+
+import torch
+
+from replicas.model_runner import ModelRunner, RunnerConfig, StepInput
+from replicas.parallel import destroy_distributed, free_port, init_distributed
+
+
+class UniProcExecutor:
+    def __init__(self, cfg: RunnerConfig) -> None:
+        self.runner = ModelRunner(cfg)
+
+    @property
+    def model_config(self):
+        return self.runner.model_config
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.runner, method)(*args)
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        return self.runner.execute(step)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _worker_main(rank: int, world: int, init_method: str, cfg: RunnerConfig, conn) -> None:
+    try:
+        if cfg.device.startswith("cuda"):
+            cfg.device = f"cuda:{rank % torch.cuda.device_count()}"
+        ctx = init_distributed(rank, world, init_method)
+        runner = ModelRunner(cfg, ctx)
+        conn.send(("ok", None))
+    except BaseException as exc:  # the parent re-raises it with the worker's traceback
+        conn.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
+        return
+    while True:
+        method, args = conn.recv()
+        if method == "shutdown":
+            break
+        try:
+            result = getattr(runner, method)(*args)
+            conn.send(("ok", None if method == "execute" else result))
+        except BaseException as exc:
+            conn.send(("error", exc))
+    destroy_distributed()
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker failed to start."""
+
+
+class MultiprocExecutor:
+    def __init__(self, cfg: RunnerConfig, tp_size: int) -> None:
+        ctx_mp = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._conns, self._procs = [], []
+        for rank in range(1, tp_size):
+            parent, child = ctx_mp.Pipe()
+            proc = ctx_mp.Process(target=_worker_main, args=(rank, tp_size, init_method, cfg, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        if cfg.device.startswith("cuda"):
+            cfg.device = "cuda:0"
+        self.runner = ModelRunner(cfg, init_distributed(0, tp_size, init_method))
+        for conn in self._conns:
+            status, detail = conn.recv()
+            if status != "ok":
+                self.shutdown()
+                raise WorkerError(f"tensor-parallel worker failed to start: {detail}")
+
+    @property
+    def model_config(self):
+        return self.runner.model_config
+
+    def call(self, method: str, *args: Any) -> Any:
+        for conn in self._conns:
+            conn.send((method, args))
+        error, result = None, None
+        try:
+            result = getattr(self.runner, method)(*args)
+        except BaseException as exc:
+            error = exc
+        for conn in self._conns:  # always drain, so the pipes stay in step
+            status, detail = conn.recv()
+            if status == "error" and error is None:
+                error = detail
+        if error is not None:
+            raise error
+        return result
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        return self.call("execute", step)
+
+    def shutdown(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(("shutdown", ()))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._conns, self._procs = [], []
+        destroy_distributed()
+
+
+def make_executor(cfg: RunnerConfig, tp_size: int):
+    return UniProcExecutor(cfg) if tp_size == 1 else MultiprocExecutor(cfg, tp_size)

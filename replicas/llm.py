@@ -1,0 +1,64 @@
+"""LLM: the offline API, shaped like vLLM's.
+
+    llm = LLM(model=path, enable_lora=True, max_loras=4, max_lora_rank=16)
+    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=16),
+                        lora_request=[LoRARequest("sql", 1, sql_dir), None])
+    outs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from lora_core.request import LoRARequest
+from replicas.engine import EngineArgs, LLMEngine
+from replicas.errors import EngineError
+from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | dict | Sequence[str | dict],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        A prompt that cannot be served (bad parameter, too long, unknown or
+        broken adapter) gets a finished output whose ``error`` holds the
+        typed exception; the other prompts run normally.
+        """
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
+        loras = _per_prompt(lora_request, len(prompts), LoRARequest, "lora_request")
+        order, results = [], {}
+        for prompt, param, lora in zip(prompts, params, loras):
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            try:
+                self.engine.add_request(request_id, prompt, param or SamplingParams(), lora)
+            except (EngineError, ValueError) as exc:
+                results[request_id] = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
+                                                    [CompletionOutput(0, "", [], None, "error")], True,
+                                                    lora.lora_name if lora else None, exc)
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+        return [results[i] for i in order]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _per_prompt(value, n: int, kind: type, name: str) -> list:
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name}: {len(value)} given for {n} prompts")
+    return value
