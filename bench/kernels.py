@@ -110,7 +110,7 @@ def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw:
     adapters = len(set(slots))
     roof_us = 1e6 * min_bytes(num_tokens, hidden, slices, adapter_rank, adapters, x.element_size()) / bw
     del graph
-    path = ("bgmv" if num_tokens <= bgmv_max_tokens else "sgmv") + ("+pdl" if ours.use_pdl else "")
+    path = ("bgmv" if ours.token_meta.use_bgmv else "sgmv") + ("+pdl" if ours.use_pdl else "")
     return dict(shape=shape, rank=rank, T=num_tokens, popularity=popularity, adapters=adapters, path=path,
                 ours_us=ours_us, torch_us=torch_us, roof_us=roof_us, floor_us=floor_us,
                 bw_frac=roof_us / ours_us, vs_torch=torch_us / ours_us, vs_floor=ours_us / floor_us,

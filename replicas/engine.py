@@ -45,6 +45,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    load_format: str = "auto"  # "dummy": random weights (benchmarks)
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -70,7 +71,8 @@ class LLMEngine:
         self.lora_config = args.lora_config()
         runner_cfg = RunnerConfig(model=args.model, dtype=args.dtype, device=device, block_size=args.block_size,
                                   num_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, lora_config=self.lora_config)
+                                  max_num_seqs=args.max_num_seqs, lora_config=self.lora_config,
+                                  load_format=args.load_format)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size)
         mc = self.executor.model_config
         self.model_config = mc
@@ -110,6 +112,8 @@ class LLMEngine:
             raise InvalidRequestError([("lora_name", f"adapter {name!r} is in use by running requests")])
         self.executor.call("remove_lora", request.lora_int_id)
         del self._loras[name]
+        # Cached KV blocks are keyed by lora id; a later adapter under the same id must not reuse them.
+        self.scheduler.block_manager.reset_prefix_cache()
         return True
 
     def list_loras(self) -> list[LoRARequest]:
@@ -124,7 +128,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError([("sampling_params", f"must be SamplingParams, got {type(params).__name__}")])
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError([("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")])
         text, ids = self._tokenize(prompt)
         if lora_request is not None:
             try:
@@ -174,9 +182,14 @@ class LLMEngine:
                 state = self._requests[seq.request_id]
                 if state.logprobs is not None and lp is not None:
                     state.logprobs.append(lp.as_dict())
-                delta = state.detok.add_tokens([token])
+                params = seq.sampling_params
+                hide = token in params.stop_token_ids and not params.include_stop_str_in_output
+                delta = state.detok.add_tokens([] if hide else [token])  # a stop token's text is not output
                 if delta.stopped:
-                    self.scheduler.finish(seq, "stop", state.detok.stop_str)
+                    if seq.finish_reason == "length":  # the last allowed token also completed a stop string
+                        seq.set_finished("stop", state.detok.stop_str)
+                    else:
+                        self.scheduler.finish(seq, "stop", state.detok.stop_str)
                 touched[seq.request_id] = seq
         for seq in out.finished:
             touched.setdefault(seq.request_id, seq)
@@ -209,7 +222,8 @@ class LLMEngine:
         if seq.is_finished and not state.detok.stopped:
             state.detok.finish()
             text = state.detok.text
-        completion = CompletionOutput(0, text, list(seq.output_token_ids), state.logprobs,
+        logprobs = list(state.logprobs) if state.logprobs is not None else None
+        completion = CompletionOutput(0, text, list(seq.output_token_ids), logprobs,
                                       seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.request_id, state.prompt, list(seq.prompt_token_ids), [completion],
                              seq.is_finished, state.lora_name)

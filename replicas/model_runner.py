@@ -22,7 +22,7 @@ from lora_core.request import LoRARequest
 from replicas.attention import AttentionMetadata, allocate_kv_caches
 from replicas.lora_layers import add_lora, lora_module_specs
 from replicas.model_config import ModelConfig
-from replicas.models import load_model
+from replicas.models import load_model, model_class
 from replicas.parallel import ParallelContext
 
 
@@ -51,6 +51,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     lora_config: LoRAConfig | None = None
+    load_format: str = "auto"  # "dummy": random weights, for benchmarks of model shapes with no checkpoint
 
 
 class ModelRunner:
@@ -59,7 +60,15 @@ class ModelRunner:
         self.ctx = ctx or ParallelContext()
         self.device = torch.device(cfg.device)
         self.model_config = ModelConfig.from_pretrained(cfg.model, dtype=cfg.dtype, device=self.device)
-        self.model = load_model(cfg.model, self.model_config, self.ctx, self.device)
+        backend = None
+        if self.device.type == "cuda":
+            from replicas.kernels.paged_attention import triton_attention
+
+            backend = triton_attention
+        if cfg.load_format == "dummy":
+            self.model = self._dummy_model(backend)
+        else:
+            self.model = load_model(cfg.model, self.model_config, self.ctx, self.device, attn_backend=backend)
         mc = self.model_config
         self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size,
                                             mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, mc.dtype,
@@ -76,6 +85,19 @@ class ModelRunner:
             add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)
             self._specs = specs
             self._expected = sorted({s for spec in specs for s in spec.sub_modules})
+
+    def _dummy_model(self, backend):
+        """Random weights (std 0.02, norms 1) drawn on the device; same on every run."""
+        config = self.model_config
+        with torch.device(self.device):
+            model = model_class(config)(config, self.ctx, backend)
+        gen = torch.Generator(device=self.device).manual_seed(1234 + self.ctx.tp_rank)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.fill_(1.0)
+            else:
+                param.data.normal_(0.0, 0.02, generator=gen)
+        return model.eval()
 
     # ---- adapters -------------------------------------------------------------------------
 
@@ -96,6 +118,8 @@ class ModelRunner:
     def remove_lora(self, lora_id: int) -> bool:
         known = self._lora_requests.pop(lora_id, None) is not None
         if self.lora_manager is not None and lora_id in self.lora_manager.list_adapters():
+            # The engine removes only adapters no live request uses; the last step is over.
+            self.lora_manager.set_running(())
             self.lora_manager.remove_adapter(lora_id)
         return known
 

@@ -22,17 +22,15 @@ import torch
 
 
 def choose_block_m(num_tokens: int, num_adapters: int = 1) -> int:
-    """Rows per tile: small for decode (one token per adapter is common), larger for prefill.
+    """Rows per SGMV tile, from the step's tokens per adapter (known on the host, so no sync).
 
-    The step's adapter count is known on the host (from the LoRAMapping), so
-    batches of many small per-adapter groups get 16-row tiles without a sync;
-    bench/RESULTS.md has the sweep that set these bounds.
+    A tile holds one adapter's tokens, so tiles taller than an adapter's run
+    only add masked rows, and shorter ones re-read its weights once per tile.
+    bench/RESULTS.md has the sweeps behind these bounds.
     """
-    if num_tokens <= 128 or (num_tokens <= 512 and num_tokens <= 16 * num_adapters):
+    if num_tokens <= 128 or num_tokens <= 16 * max(1, num_adapters):
         return 16
-    if num_tokens <= 1024:
-        return 32
-    return 64
+    return 32 if num_tokens <= 1024 else 64
 
 
 def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
@@ -60,6 +58,7 @@ class PunicaMetadata:
         self.num_rows = 0
         self.num_adapters = 0  # distinct slots this step; 0 lets layers skip LoRA entirely
         self.block_m = 16
+        self.use_bgmv = False
         self.max_tiles = 1
 
     def update(self, slots: torch.Tensor, num_adapters: int = 1) -> None:
@@ -73,6 +72,8 @@ class PunicaMetadata:
         self.num_rows = n
         self.num_adapters = num_adapters
         self.block_m = choose_block_m(n, num_adapters)
+        # BGMV (one token per program) wins while adapters are barely shared.
+        self.use_bgmv = n <= self.bgmv_max_rows and n <= 2 * max(1, num_adapters)
         self.max_tiles = max_tiles(n, self.num_slots, self.block_m)
         if n == 0:
             return

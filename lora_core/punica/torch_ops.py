@@ -43,7 +43,7 @@ def shrink(buf: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, slots: torc
             mask = _rank_mask(ranks, k, slot, out.shape[1], out.device)
             if mask is not None:
                 out = out * mask
-            buf[k].index_add_(0, rows, out.to(buf.dtype))
+            buf[k, rows] += out.to(buf.dtype)  # rows are unique within a group
 
 
 def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,

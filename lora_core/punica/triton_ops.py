@@ -33,8 +33,8 @@ def _pdl_kwargs(use_pdl: bool) -> dict:
 
 
 def use_bgmv(meta: PunicaMetadata) -> bool:
-    """One-token-per-program BGMV for small (decode) steps, slot-sorted SGMV tiles otherwise."""
-    return meta.num_rows <= meta.bgmv_max_rows
+    """One-token-per-program BGMV for small steps of barely shared adapters, SGMV tiles otherwise."""
+    return meta.use_bgmv
 
 
 def _pow2_floor(n: int) -> int:

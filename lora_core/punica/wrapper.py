@@ -8,7 +8,9 @@ left untouched. Two backends with one signature: "triton" (GPU; on CPU only
 under TRITON_INTERPRET=1, for tests) and "torch" (the reference, and the CPU
 path). Stacked-weight layouts are those of lora_core.slot_buffers. Steps of
 up to bgmv_max_tokens rows (decode) run one-token-per-program BGMV kernels;
-larger ones run slot-sorted SGMV tiles.
+larger ones, and steps where adapters are shared by more than two tokens on
+average, run slot-sorted SGMV tiles (the choice is made on the host from the
+LoRAMapping, so it never syncs; a CUDA graph is captured per choice).
 """
 
 from __future__ import annotations

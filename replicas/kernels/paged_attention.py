@@ -35,7 +35,7 @@ def _paged_attention_kernel(
     so_t, so_h,
     sbt_s,
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -59,8 +59,11 @@ def _paged_attention_kernel(
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
     # Keys past the last query's position are never needed (causal).
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    kv_begin = 0
+    if WINDOW > 0:  # keys older than the first query's window are never needed either
+        kv_begin = tl.maximum(context_len + q_block * BLOCK_Q - WINDOW + 1, 0) // BLOCK_SIZE * BLOCK_SIZE
     offs_n = tl.arange(0, BLOCK_SIZE)
-    for start in range(0, kv_end, BLOCK_SIZE):
+    for start in range(kv_begin, kv_end, BLOCK_SIZE):
         block = tl.load(block_tables_ptr + seq * sbt_s + start // BLOCK_SIZE).to(tl.int64)
         pos_k = start + offs_n
         k_mask = pos_k < seq_len
@@ -68,10 +71,15 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        s = tl.where((pos_k[None, :] <= pos_q[:, None]) & k_mask[None, :], s, float("-inf"))
+        allowed = (pos_k[None, :] <= pos_q[:, None]) & k_mask[None, :]
+        if WINDOW > 0:
+            allowed = allowed & (pos_k[None, :] > pos_q[:, None] - WINDOW)
+        s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # A row may see only masked keys so far (sliding window): keep its sums at 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
@@ -82,7 +90,7 @@ def _paged_attention_kernel(
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_query_len: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """q [T, num_heads, head_dim] -> out [T, num_heads, head_dim]; see the module docstring.
 
     query_start_loc [S + 1] and seq_lens [S] are int32 on the device;
@@ -107,7 +115,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, WINDOW=sliding_window or 0,
         num_warps=4, num_stages=2,
     )
     return out
+
+
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """The GPU attention backend (same signature as replicas.attention.reference_attention).
+
+    Writes this step's k, v [T, H_kv, D] into the cache with index_copy_ (no
+    padding slots, so no host check), then runs the paged kernel.
+    """
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                           meta.max_query_len, sliding_window=sliding_window)

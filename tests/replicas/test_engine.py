@@ -75,7 +75,8 @@ def _check_against_hf(outputs, hf_reference):
         completion = out.outputs[0]
         assert completion.token_ids == tokens, f"{out.lora_name}: {completion.token_ids} != {tokens}"
         got = [step[t] for step, t in zip(completion.logprobs, tokens)]
-        assert max(abs(a - b) for a, b in zip(got, logprobs)) < 2e-3
+        # float32 on CPU; on a GPU the Triton kernels' float32 dots run in TF32
+        assert max(abs(a - b) for a, b in zip(got, logprobs)) < (2e-2 if torch.cuda.is_available() else 2e-3)
         assert completion.finish_reason == "length"
 
 

@@ -13,21 +13,25 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-def _dense(q, k, v, context_len, scale):
+def _dense(q, k, v, context_len, scale, window=None):
     """q [n, H, D] at positions context_len.., k/v [L, KVH, D] for positions 0..L-1."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1).float()
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     pos_q = context_len + torch.arange(q.shape[0])
-    mask = torch.arange(k.shape[0])[None, :] <= pos_q[:, None]
+    pos_k = torch.arange(k.shape[0])[None, :]
+    mask = pos_k <= pos_q[:, None]
+    if window:
+        mask &= pos_k > pos_q[:, None] - window
     scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32])
+@pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (4, 4, 64), (8, 1, 48)])
-def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype):
+def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype, window):
     g = torch.Generator().manual_seed(heads * 7 + head_dim)
     block_size, num_blocks = 16, 64
     # (context already cached, new tokens): decode, prefill with and without context, long decode
@@ -49,13 +53,13 @@ def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype):
         q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype),
         torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=DEVICE),
-        tables.to(DEVICE), scale, max(n for _, n in seqs)).float().cpu()
+        tables.to(DEVICE), scale, max(n for _, n in seqs), sliding_window=window).float().cpu()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for i, (c, n) in enumerate(seqs):
         blocks = tables[i, : math.ceil((c + n) / block_size)].long()
         k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(dtype).float()
         v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(dtype).float()
-        want = _dense(q[starts[i]: starts[i + 1]].to(dtype).float(), k, v, c, scale)
+        want = _dense(q[starts[i]: starts[i + 1]].to(dtype).float(), k, v, c, scale, window)
         got = out[starts[i]: starts[i + 1]]
         assert (got - want).abs().max().item() < tol * max(1.0, want.abs().max().item()), f"sequence {i}"
 

@@ -1,0 +1,282 @@
+"""AsyncLLMEngine: the LLMEngine behind an asyncio API, for servers.
+
+    engine = AsyncLLMEngine(EngineArgs(model=path, enable_lora=True))
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=16), "req-1", lora_request=sql):
+        print(out.outputs[0].text)          # cumulative; the last one has finished=True
+    await engine.shutdown()
+
+One background thread owns the LLMEngine: it builds it, runs its step loop
+(blocking torch code, kept off the event loop) and applies commands from
+asyncio callers between steps. Commands travel through a lock-guarded deque;
+each carries a concurrent Future that the caller awaits. Outputs reach each
+request's asyncio.Queue through its loop's call_soon_threadsafe. The thread
+sleeps on a condition while there is nothing to run.
+
+A bad request raises its typed error from its own generator; the others keep
+running. If a step raises, every in-flight request gets EngineDeadError and so
+does every later call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from lora_core.request import LoRARequest
+from replicas.engine import EngineArgs, LLMEngine
+from replicas.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
+from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.sampling_params import SamplingParams
+
+
+@dataclass
+class _Stream:
+    """One request's way back to its consumer. ``last`` is touched by the engine thread only."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last: RequestOutput | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Command:
+    fn: Callable[..., Any]
+    args: tuple
+    future: Future
+
+
+class AsyncLLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        """Start the engine thread and wait until it has built the LLMEngine (errors re-raised here)."""
+        self.args = args
+        self.engine: LLMEngine | None = None
+        self._cond = threading.Condition()
+        self._commands: deque[_Command] = deque()
+        self._closed: EngineDeadError | None = None  # set once the loop has stopped or died
+        self._stopping = False
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._aborting: set[str] = set()  # engine thread only
+        self._init_error: BaseException | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="lorafleet-engine", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if self._init_error is not None:
+            self._thread.join()
+            raise self._init_error
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        return cls(args)
+
+    @property
+    def is_running(self) -> bool:
+        return self._closed is None and self._thread.is_alive()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | dict, sampling_params: SamplingParams | Mapping | None,
+                       request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs of one request as tokens arrive; the last has finished=True.
+
+        sampling_params may be a mapping of SamplingParams fields (as a server receives them).
+        A request that cannot be served raises its typed error here; closing or cancelling the
+        consumer before the end aborts the request in the engine.
+        """
+        if isinstance(sampling_params, Mapping):
+            sampling_params = SamplingParams(**sampling_params)
+        elif sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise InvalidRequestError([("sampling_params", f"must be SamplingParams, a mapping of its fields or "
+                                        f"None, got {type(sampling_params).__name__}")])
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        done = False
+        try:
+            await asyncio.wrap_future(
+                self._submit(self._add_request, stream, prompt, sampling_params, lora_request))
+            while True:
+                item = await stream.queue.get()
+                # outputs are cumulative, so a slow consumer may skip to the newest
+                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                try:
+                    self._submit(self._abort_stream, stream)
+                except EngineDeadError:
+                    pass
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its consumer gets a last output with finish_reason 'abort'. False if unknown."""
+        return await self._call(self._abort, request_id)
+
+    # ---- adapters ---------------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        await self._call(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        return await self._call(lambda: self.engine.remove_lora(lora_name))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await self._call(lambda: self.engine.list_loras())
+
+    async def pin_lora(self, lora_name: str) -> bool:
+        return await self._call(lambda: self.engine.pin_lora(lora_name))
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop the loop: in-flight requests get RequestAbortedError, later calls EngineDeadError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # ---- caller side ------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        command = _Command(fn, args, Future())
+        with self._cond:
+            if self._closed is not None:
+                raise _with_cause(EngineDeadError(str(self._closed)), self._closed.__cause__)
+            self._commands.append(command)
+            self._cond.notify()
+        return command.future
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.wrap_future(self._submit(fn, *args))
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _run(self, ready: threading.Event) -> None:
+        try:
+            self.engine = LLMEngine(self.args)
+        except BaseException as exc:
+            self._init_error = exc
+            with self._cond:
+                self._closed = EngineDeadError(f"the engine failed to start: {exc}")
+            ready.set()
+            return
+        ready.set()
+        try:
+            while (commands := self._next_commands()) is not None:
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests() or self._aborting:
+                    self._deliver(self.engine.step())
+        except BaseException as exc:
+            dead = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
+            dead.__cause__ = exc
+            self._close(dead, lambda: _with_cause(EngineDeadError(str(dead)), exc))
+        else:
+            self._close(EngineDeadError("the engine was shut down"),
+                        lambda: RequestAbortedError("the engine was shut down before the request finished"))
+        finally:
+            try:
+                self.engine.shutdown()
+            except Exception:  # already dead; shutting down is best effort
+                pass
+
+    def _next_commands(self) -> list[_Command] | None:
+        """Wait for work; the pending commands, or None once shutdown was asked for."""
+        with self._cond:
+            while not (self._commands or self._stopping or self._aborting or self.engine.has_unfinished_requests()):
+                self._cond.wait()
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+    def _apply(self, command: _Command) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return  # the caller gave up before it ran
+        try:
+            result = command.fn(*command.args)
+        except Exception as exc:  # the caller's own error; the loop keeps serving
+            command.future.set_exception(exc)
+        else:
+            command.future.set_result(result)
+
+    def _add_request(self, stream: _Stream, prompt: str | dict, params: SamplingParams | None,
+                     lora_request: LoRARequest | None) -> None:
+        if stream.request_id in self._streams:
+            raise InvalidRequestError([("request_id", f"request_id {stream.request_id!r} is already in use")])
+        self.engine.add_request(stream.request_id, prompt, params, lora_request)
+        self._streams[stream.request_id] = stream
+
+    def _abort(self, request_id: str) -> bool:
+        if request_id not in self._streams:
+            return False
+        self.engine.abort(request_id)
+        self._aborting.add(request_id)  # the next step reports it finished
+        return True
+
+    def _abort_stream(self, stream: _Stream) -> None:
+        # by identity: a rejected duplicate request_id must not abort the request that holds it
+        if self._streams.get(stream.request_id) is stream:
+            self._abort(stream.request_id)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # its consumer has gone
+                continue
+            # the engine appends to its logprobs list in place; the consumer gets its own copy
+            completion = out.outputs[0]
+            if completion.logprobs is not None:
+                out = replace(out, outputs=[replace(completion, logprobs=list(completion.logprobs))])
+            stream.last = out
+            if out.finished:
+                del self._streams[out.request_id]
+                self._aborting.discard(out.request_id)
+            stream.put(out)
+        for request_id in self._aborting:  # aborted but not reported by the engine: end them here
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(_aborted(request_id, stream.last))
+        self._aborting.clear()
+
+    def _close(self, closed: EngineDeadError, error: Callable[[], Exception]) -> None:
+        """Refuse new commands, then fail the pending ones and every in-flight request."""
+        with self._cond:
+            self._closed = closed
+            pending = list(self._commands)
+            self._commands.clear()
+        for command in pending:
+            if command.future.set_running_or_notify_cancel():
+                command.future.set_exception(_with_cause(EngineDeadError(str(closed)), closed.__cause__))
+        for stream in self._streams.values():
+            stream.put(error())
+        self._streams.clear()
+        self._aborting.clear()
+
+
+def _aborted(request_id: str, last: RequestOutput | None) -> RequestOutput:
+    if last is None:
+        return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], None, "abort")], True)
+    return replace(last, finished=True, outputs=[replace(last.outputs[0], finish_reason="abort")])
+
+
+def _with_cause(error: Exception, cause: BaseException | None) -> Exception:
+    error.__cause__ = cause
+    return error
