@@ -15,6 +15,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # float32 inputs get true float32 products: Triton's default for them is TF32.
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _tile(tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile):
     # Three independent loads issued together: on a cold L2 every extra level
     # of dependent loads costs a DRAM round trip, which is most of a decode op.
@@ -39,7 +48,7 @@ def shrink_kernel(
     so_split, so_s, so_t, so_r,
     sr_s,
     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, ACCUMULATE: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, ACCUMULATE: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr,
 ):
     """out[split, s, tok, :R] (+)= scale * x[tok, k-range] @ A[s, slot, :rank, k-range]^T."""
     if USE_PDL:
@@ -68,7 +77,7 @@ def shrink_kernel(
             k_mask = offs_k < k_hi
             xt = tl.load(x_rows + offs_k[None, :] * sx_k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             at = tl.load(a_rows + offs_k[:, None] * sa_k, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            acc += tl.dot(xt, at)
+            acc += _dot(xt, at, IEEE)
     acc = acc * scale
     out_ptrs = (out_ptr + split * so_split + s * so_s + tok[:, None].to(tl.int64) * so_t
                 + offs_r[None, :] * so_r)
@@ -89,6 +98,7 @@ def expand_kernel(
     sr_s, sbias_l,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, USE_PDL: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """y[tok, off + n] (+)= sum_split buf[split, s, tok, :rank] @ B[slot, n, :rank]^T (+ bias).
 
@@ -125,7 +135,7 @@ def expand_kernel(
         y_ptrs = y_rows + (y_col_offset + offs_n[None, :]) * sy_n
         y_mask = m_mask[:, None] & n_mask[None, :]
         w = tl.load(b_rows + offs_n[None, :].to(tl.int64) * sw_n, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(xb.to(w.dtype), w)
+        acc = _dot(xb.to(w.dtype), w, IEEE)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + lora.to(tl.int64) * sbias_l + offs_n, mask=n_mask, other=0.0)
             acc += bias[None, :].to(tl.float32)

@@ -101,7 +101,7 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
         *out.stride(),
         ranks.stride(0),
         R=rank, BLOCK_M=meta.block_m, BLOCK_R=_block_r(rank), BLOCK_K=block_k,
-        SPLIT_K=split_k, ACCUMULATE=accumulate, USE_PDL=use_pdl,
+        SPLIT_K=split_k, ACCUMULATE=accumulate, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32,
         num_warps=4, num_stages=3,
     )
 
@@ -139,5 +139,6 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
         ranks.stride(0), bias.stride(0) if bias is not None else 0,
         BLOCK_M=meta.block_m, BLOCK_N=block_n, N_PER_PROG=n_per_prog, BLOCK_R=_block_r(rank),
         SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
+        IEEE=lora_b.dtype == torch.float32,
         num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
     )

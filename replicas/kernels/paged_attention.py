@@ -35,7 +35,7 @@ def _paged_attention_kernel(
     so_t, so_h,
     sbt_s,
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -70,7 +70,10 @@ def _paged_attention_kernel(
         kv_off = block * sk_b + offs_n[:, None] * sk_s + kv_head * sk_h + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        if IEEE:  # float32 caches get float32 products (Triton's default for them is TF32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         allowed = (pos_k[None, :] <= pos_q[:, None]) & k_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (pos_k[None, :] > pos_q[:, None] - WINDOW)
@@ -81,7 +84,10 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
     acc = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_q)[:, None].to(tl.int64) * so_t + head * so_h + offs_d[None, :],
@@ -116,6 +122,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0),
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, WINDOW=sliding_window or 0,
+        IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )
     return out
