@@ -20,6 +20,7 @@ does every later call.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -96,6 +97,10 @@ class AsyncLLMEngine:
         consumer before the end aborts the request in the engine.
         """
         if isinstance(sampling_params, Mapping):
+            known = {f.name for f in dataclasses.fields(SamplingParams)}
+            unknown = sorted(set(sampling_params) - known)
+            if unknown:
+                raise InvalidRequestError([(key, f"unknown sampling parameter {key!r}") for key in unknown])
             sampling_params = SamplingParams(**sampling_params)
         elif sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise InvalidRequestError([("sampling_params", f"must be SamplingParams, a mapping of its fields or "

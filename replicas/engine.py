@@ -40,7 +40,9 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     fully_sharded_loras: bool = False
     block_size: int = 16
-    num_kv_blocks: int = 512
+    num_kv_blocks: int | None = None  # fixed block count; else sized from the memory budget below
+    kv_cache_memory_bytes: int | None = None  # KV-cache budget per rank (default: 1 GiB on CPU)
+    gpu_memory_utilization: float = 0.9  # GPU, no budget given: share of the memory left after weights
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -70,7 +72,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(args.model)
         self.lora_config = args.lora_config()
         runner_cfg = RunnerConfig(model=args.model, dtype=args.dtype, device=device, block_size=args.block_size,
-                                  num_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  num_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                  gpu_memory_utilization=args.gpu_memory_utilization,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, lora_config=self.lora_config,
                                   load_format=args.load_format)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size)
@@ -80,7 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_loras=args.max_loras if args.enable_lora else 0, max_model_len=self.max_model_len),
-            BlockManager(args.num_kv_blocks, args.block_size, args.enable_prefix_caching))
+            BlockManager(self.executor.runner.num_blocks, args.block_size, args.enable_prefix_caching))
         self.sampler = Sampler()
         self._eos = tuple(mc.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                                is not None else ())
@@ -111,6 +115,7 @@ class LLMEngine:
         if any(r.seq.lora_int_id == request.lora_int_id for r in self._requests.values()):
             raise InvalidRequestError([("lora_name", f"adapter {name!r} is in use by running requests")])
         self.executor.call("remove_lora", request.lora_int_id)
+        self.scheduler.pinned.discard(request.lora_int_id)
         del self._loras[name]
         # Cached KV blocks are keyed by lora id; a later adapter under the same id must not reuse them.
         self.scheduler.block_manager.reset_prefix_cache()
@@ -120,9 +125,18 @@ class LLMEngine:
         return list(self._loras.values())
 
     def pin_lora(self, name: str) -> bool:
+        """Keep an adapter in a GPU slot for good; one slot always stays for unpinned adapters."""
         if name not in self._loras:
             raise UnknownLoRAError(f"unknown adapter {name!r}")
-        return self.executor.call("pin_lora", self._loras[name].lora_int_id)
+        lora_id = self._loras[name].lora_int_id
+        pinned = self.scheduler.pinned
+        if lora_id not in pinned and len(pinned) + 1 >= self.lora_config.max_loras:
+            raise InvalidRequestError([("lora_name", f"pinning {name!r} would leave no GPU slot for unpinned "
+                                        f"adapters (max_loras={self.lora_config.max_loras}, "
+                                        f"{len(pinned)} pinned)")])
+        result = self.executor.call("pin_lora", lora_id)
+        pinned.add(lora_id)
+        return result
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -175,6 +189,7 @@ class LLMEngine:
         if out.scheduled:
             samplers = [s.seq for s in out.scheduled if s.samples]
             logits = self.executor.execute(self._step_input(out))
+            self._prefetch()  # on a GPU the step is still running: adapter copies overlap it
             sampled = self.sampler.sample(logits, samplers)
             tokens = sampled.token_ids.tolist()
             self.scheduler.update_from_output(out, {s.request_id: t for s, t in zip(samplers, tokens)})
@@ -201,6 +216,12 @@ class LLMEngine:
             if seq.is_finished:
                 self._requests.pop(seq.request_id, None)
         return results
+
+    def _prefetch(self) -> None:
+        if self.lora_config is not None:
+            ids = self.scheduler.adapters_to_prefetch(self.lora_config.max_loras)
+            if ids:
+                self.executor.call("prefetch_loras", ids)
 
     def _step_input(self, out: SchedulerOutput) -> StepInput:
         step = StepInput([], [], [], [], [], [], [], [], is_prefill=any(s.is_prefill for s in out.scheduled))

@@ -19,7 +19,9 @@ from lora_core.mapping import LoRAMapping
 from lora_core.model_manager import LoRAModelManager
 from lora_core.punica import PunicaWrapper
 from lora_core.request import LoRARequest
-from replicas.attention import AttentionMetadata, allocate_kv_caches
+import torch.distributed as dist
+
+from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.lora_layers import add_lora, lora_module_specs
 from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
@@ -47,7 +49,9 @@ class RunnerConfig:
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
-    num_blocks: int = 256
+    num_blocks: int | None = None  # fixed count; else sized from the budget below
+    kv_cache_memory_bytes: int | None = None  # KV budget per rank; default: 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9  # on GPU with no budget: this share of the memory left after weights
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     lora_config: LoRAConfig | None = None
@@ -70,21 +74,47 @@ class ModelRunner:
         else:
             self.model = load_model(cfg.model, self.model_config, self.ctx, self.device, attn_backend=backend)
         mc = self.model_config
-        self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, cfg.num_blocks, cfg.block_size,
-                                            mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, mc.dtype,
-                                            self.device)
         self.lora_manager: LoRAModelManager | None = None
         self.punica: PunicaWrapper | None = None
         self._lora_requests: dict[int, LoRARequest] = {}
-        if cfg.lora_config is not None:
-            specs = lora_module_specs(self.model)
-            self.lora_manager = LoRAModelManager(specs, cfg.lora_config, self.device, mc.dtype,
-                                                 self.ctx.tp_rank, self.ctx.tp_size)
-            self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
-                                        max_num_prompts=cfg.max_num_seqs)
-            add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)
-            self._specs = specs
-            self._expected = sorted({s for spec in specs for s in spec.sub_modules})
+        if cfg.lora_config is not None:  # slots first, so the KV budget sees their memory as used
+            self._setup_lora(cfg)
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks, cfg.block_size,
+                                            mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, mc.dtype,
+                                            self.device)
+        # Adapters for waiting requests are copied into free slots on this stream, under the running step.
+        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def _setup_lora(self, cfg: RunnerConfig) -> None:
+        specs = lora_module_specs(self.model)
+        self.lora_manager = LoRAModelManager(specs, cfg.lora_config, self.device, self.model_config.dtype,
+                                             self.ctx.tp_rank, self.ctx.tp_size)
+        self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
+                                    max_num_prompts=cfg.max_num_seqs)
+        add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)
+        self._specs = specs
+        self._expected = sorted({s for spec in specs for s in spec.sub_modules})
+
+    def _num_kv_blocks(self) -> int:
+        """Blocks per rank: the fixed count, or the memory budget over one block's bytes (same on all ranks)."""
+        cfg, mc = self.cfg, self.model_config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = kv_cache_block_bytes(mc.num_hidden_layers, cfg.block_size,
+                                         mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, mc.dtype)
+        budget = cfg.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+        elif budget is None:
+            budget = 1 << 30
+        blocks = torch.tensor([budget // per_block], dtype=torch.long, device=self.device)
+        if self.ctx.tp_size > 1:  # ranks may see slightly different free memory
+            dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.ctx.group)
+        if int(blocks) < 1:
+            raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes")
+        return int(blocks)
 
     def _dummy_model(self, backend):
         """Random weights (std 0.02, norms 1) drawn on the device; same on every run."""
@@ -137,9 +167,35 @@ class ModelRunner:
         self.lora_manager.set_running(i for i in ids if i in registered)
         for lora_id in ids:
             if lora_id and lora_id not in registered:
-                if lora_id not in self._lora_requests:
-                    raise UnknownLoRAError(f"lora id {lora_id} was never added")
-                self.lora_manager.add_adapter(self._load(self._lora_requests[lora_id]))
+                self._register(lora_id)
+
+    def _register(self, lora_id: int) -> None:
+        if lora_id not in self._lora_requests:
+            raise UnknownLoRAError(f"lora id {lora_id} was never added")
+        self.lora_manager.add_adapter(self._load(self._lora_requests[lora_id]))
+
+    def prefetch_loras(self, ids: list[int]) -> list[int]:
+        """Copy adapters of waiting requests into FREE slots (never evicting), on the side stream on GPU.
+
+        Called right after a step is launched, so on a GPU the host-to-device
+        copies overlap that step; the next step waits for them. Returns the
+        ids that now hold a slot.
+        """
+        if self.lora_manager is None:
+            return []
+        manager, loaded = self.lora_manager, []
+        for lora_id in ids:
+            registered = lora_id in manager.list_adapters()
+            if not registered or manager.slot_of(lora_id) is None:
+                if None not in manager.lora_index_to_id:
+                    break
+                if not registered:
+                    if len(manager.list_adapters()) >= self.cfg.lora_config.max_cpu_loras:
+                        break  # making room would evict from the host cache: leave that to the step
+                    self._register(lora_id)
+                manager.activate_adapter(lora_id, stream=self._side_stream)
+            loaded.append(lora_id)
+        return loaded
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -150,6 +206,8 @@ class ModelRunner:
         if self.lora_manager is not None:
             mapping = LoRAMapping(step.token_lora_ids or [0] * len(step.input_ids),
                                   step.sample_lora_ids or [0] * len(step.sample_rows), step.is_prefill)
+            if self._side_stream is not None:  # prefetched slots must be written before this step reads them
+                torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
             self._ensure_registered(mapping.active_ids())
             self.punica.update_metadata(mapping, self.lora_manager.prepare_batch(mapping))
         meta = AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables, self.cfg.block_size, dev)

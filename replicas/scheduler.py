@@ -93,6 +93,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.adapter_ready = adapter_ready or (lambda _lora_id: True)
+        self.pinned: set[int] = set()  # adapters holding a GPU slot for good (engine.pin_lora)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order
         self.requests: dict[str, Sequence] = {}
@@ -190,13 +191,19 @@ class Scheduler:
         out.finished, self._finished_since_step = self._finished_since_step, []
         return out
 
+    def _slot_free_for(self, lora_id: int, loras: set[int]) -> bool:
+        """A pinned adapter has its slot; the others share the slots no pin holds."""
+        if lora_id in self.pinned:
+            return True
+        return len(loras - self.pinned) < self.config.max_loras - len(self.pinned)
+
     def _admit(self, out: SchedulerOutput, budget: int, loras: set[int]) -> None:
         bm = self.block_manager
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             lid = seq.lora_int_id
-            if lid and lid not in loras and (len(loras) >= self.config.max_loras or not self.adapter_ready(lid)):
+            if lid and lid not in loras and (not self._slot_free_for(lid, loras) or not self.adapter_ready(lid)):
                 skipped.append(self.waiting.popleft())
                 continue
             if not bm.can_allocate(seq):

@@ -270,3 +270,16 @@ def test_step_failure_kills_engine_cleanly(demo, tmp_path):
     with pytest.raises(Exception):
         AsyncLLMEngine(EngineArgs(model=str(tmp_path / "no-model"), dtype="float32", device="cpu"))
     assert _no_engine_thread()
+
+
+def test_unknown_sampling_key_is_a_request_error(demo):
+    async def main():
+        engine = AsyncLLMEngine(EngineArgs(model=str(demo.model_dir), **ENGINE))
+        try:
+            with pytest.raises(InvalidRequestError, match="temprature"):
+                async for _ in engine.generate("hi", {"temprature": 0.5}, "typo"):
+                    pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

@@ -135,3 +135,51 @@ def test_bad_requests_fail_alone(demo, lora_requests, tmp_path):
     # the engine still serves after all of that
     again = llm.generate([good[0]], good[2], [good[1]])
     assert again[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+
+
+def test_kv_cache_sized_from_memory_budget(demo):
+    from replicas.attention import kv_cache_block_bytes
+
+    budget = 3 << 20
+    llm = LLM(str(demo.model_dir), dtype="float32", kv_cache_memory_bytes=budget, block_size=16)
+    mc = llm.engine.model_config
+    per_block = kv_cache_block_bytes(mc.num_hidden_layers, 16, mc.num_key_value_heads, mc.head_dim, torch.float32)
+    assert llm.engine.scheduler.block_manager.num_blocks == budget // per_block
+    assert llm.engine.executor.runner.kv_caches[0][0].shape[0] == budget // per_block
+    with pytest.raises(ValueError, match="holds no block"):
+        LLM(str(demo.model_dir), dtype="float32", kv_cache_memory_bytes=per_block - 1)
+
+
+def test_waiting_request_adapter_is_prefetched(demo, lora_requests):
+    """max_num_seqs=1: while the first request decodes, the next one's adapter is loaded into a free slot."""
+    first, second = lora_requests[0], lora_requests[1]
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", max_num_seqs=1)
+    engine, manager = llm.engine, llm.engine.executor.runner.lora_manager
+    engine.add_request("a", PROMPTS[0], _greedy(6), first)
+    engine.add_request("b", PROMPTS[1], _greedy(6), second)
+    engine.step()
+    assert engine.scheduler.requests["b"].status.name == "WAITING"
+    assert manager.slot_of(second.lora_int_id) is not None, "the waiting request's adapter holds a slot"
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    free = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32")
+    want = free.generate([PROMPTS[0], PROMPTS[1]], _greedy(6), [first, second])
+    assert [outputs["a"].outputs[0].token_ids, outputs["b"].outputs[0].token_ids] == \
+        [w.outputs[0].token_ids for w in want]
+
+
+def test_pinned_adapters_keep_their_slots_and_others_still_run(demo, lora_requests):
+    sql, chat, summarize = lora_requests[1], lora_requests[0], lora_requests[2]
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32")
+    engine = llm.engine
+    engine.add_lora(sql)
+    engine.add_lora(chat)
+    assert engine.pin_lora(sql.lora_name)
+    with pytest.raises(InvalidRequestError, match="no GPU slot for unpinned"):
+        engine.pin_lora(chat.lora_name)  # the last free slot stays for everyone else
+    outs = llm.generate(PROMPTS[:3], _greedy(4), [chat, summarize, sql])
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 4 for o in outs)
+    manager = engine.executor.runner.lora_manager
+    assert manager.slot_of(sql.lora_int_id) is not None and manager.is_pinned(sql.lora_int_id)

@@ -1,0 +1,289 @@
+"""Engine benchmark (issue 3): throughput and latency of LLMEngine with and without LoRA, and against HF + PEFT.
+
+A Llama-3-8B-shaped model with random weights (load_format="dummy", bf16 on
+GPU) serves an S-LoRA-style workload: input and output lengths uniform in
+[8, 512], random prompt ids, greedy, ignore_eos, a closed loop of C concurrent
+requests (or Poisson arrivals with --rate), driven through
+LLMEngine.add_request / step. The same requests run in every scenario:
+  base               no LoRA (enable_lora off);
+  one-r{R}           one adapter for every request;
+  distinct-r{R}      every request its own adapter;
+  uniform{N}-r{R}    uniform / Zipf(1.5) popularity over N = 100, 1,000 adapter
+  zipf{N}-r{R}       directories (> max_loras GPU slots and > max_cpu_loras host entries);
+  hf                 Llama-3.2-1B shape, 32 distinct rank-16 adapters in one batch of 32
+                     (128-token prompts, 64 new tokens): HF transformers + PEFT generate
+                     with adapter_names=, against ours on the same adapter files.
+Adapters (ranks 16 and 64, all seven projections) are registered lazily, by the
+first request that names them, so their disk loads are part of the measurement.
+Columns: tok/s = generated tokens / wall; TTFT = add (or Poisson arrival) to
+the first token; TPOT = (finish - first token) / (tokens - 1); x base = tok/s
+over base's; dec ms = median pure-decode step at batch C; #ad = distinct
+adapters in those steps; loads = adapter loads from disk. Physics: base's
+bound = weights + KV read per decode step, extra = its decode step; LoRA rows'
+bound = #ad x bytes per adapter, extra = decode step minus base's; both over
+the device-to-device copy bandwidth measured in this run (read + write
+bytes). x bnd = extra / bound. Prints rows as they finish and a table last;
+CSV to $OUT (or bench/out), rewritten after every row.
+
+    python bench/engine.py                                     # everything (> 10 min on one GPU)
+    python bench/engine.py --scenarios 'base,*-r16'            # base is run whenever a LoRA row is
+    python bench/engine.py --tiny                              # tiny model on CPU, < 1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fnmatch
+import gc
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, TINY, AdapterPools, Recorder, Request,  # noqa: E402
+                                   adapter_bytes, assign_adapters, copy_bandwidth, drive, kv_bytes_per_token,
+                                   make_requests, summarize, weight_bytes, write_model_dir)
+from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
+
+POPULARITIES = (("one", "one", 1), ("distinct", "distinct", 0), ("uniform100", "uniform", 100),
+                ("zipf100", "zipf", 100), ("uniform1000", "uniform", 1000), ("zipf1000", "zipf", 1000))
+GPU = dict(num_requests=128, concurrency=32, input_len=(8, 512), output_len=(8, 512), hf_batch=32, hf_prompt=128,
+           hf_new=64)
+CPU_TINY = dict(num_requests=12, concurrency=4, input_len=(4, 24), output_len=(2, 12), hf_batch=4, hf_prompt=16,
+                hf_new=8)
+COLUMNS = [("scenario", "{:16}", "s"), ("rank", "{:>4}", "d"), ("registered", "{:>6}", "d"),
+           ("tok_s", "{:>9}", ".1f"), ("ttft_p50_ms", "{:>8}", ".1f"), ("ttft_p99_ms", "{:>8}", ".1f"),
+           ("tpot_p50_ms", "{:>8}", ".2f"), ("tpot_p99_ms", "{:>8}", ".2f"), ("x_base", "{:>7}", ".3f"),
+           ("decode_ms", "{:>8}", ".2f"), ("adapters", "{:>6}", ".1f"), ("loads", "{:>6}", "d"),
+           ("extra_ms", "{:>8}", ".2f"), ("bound_ms", "{:>8}", ".2f"), ("x_bound", "{:>7}", ".2f")]
+HEADS = ["scenario", "r", "#reg", "tok/s", "ttft50", "ttft99", "tpot50", "tpot99", "x base", "dec ms", "#ad",
+         "loads", "extra", "bound", "x bnd"]
+
+
+def scenarios(ranks: list[int]) -> dict[str, tuple[str, int, int]]:
+    """name -> (popularity, pool size (0: one per request), rank)."""
+    table = {"base": ("none", 0, 0)}
+    for r in ranks:
+        table.update({f"{name}-r{r}": (pop, size, r) for name, pop, size in POPULARITIES})
+    return table
+
+
+def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: int) -> dict:
+    if row["rank"] == 0:
+        read = weight_bytes(shape, esize) + row["kv_tokens"] * kv_bytes_per_token(shape, esize)
+        extra = row["decode_ms"]
+    else:
+        read = row["adapters"] * adapter_bytes(shape, row["rank"], esize)
+        extra = row["decode_ms"] - base["decode_ms"]
+    bound = 1e3 * read / tp / bw  # each of tp ranks reads about 1/tp of the bytes at its own bandwidth
+    return dict(row, x_base=row["tok_s"] / base["tok_s"], extra_ms=extra, bound_ms=bound, x_bound=extra / bound)
+
+
+def fmt(row: dict) -> str:
+    return "".join(spec.format(format(row[key], f) if key in row else "-") for key, spec, f in COLUMNS)
+
+
+def header() -> str:
+    return "".join(spec.format(h) for (_, spec, _), h in zip(COLUMNS, HEADS))
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def make_engine(model_dir: Path, a, rank: int, max_loras: int, max_seqs: int, max_len: int,
+                batched_tokens: int = 2048, max_cpu_loras: int | None = None) -> LLMEngine:
+    return LLMEngine(EngineArgs(
+        model=str(model_dir), tensor_parallel_size=a.tp, dtype=a.dtype, enable_lora=rank > 0,
+        max_loras=max_loras, max_lora_rank=max(rank, 1), max_cpu_loras=max_cpu_loras,
+        num_kv_blocks=max_seqs * -(-max_len // 16) + 8, max_num_seqs=max_seqs,
+        max_num_batched_tokens=max(batched_tokens, max_len), enable_prefix_caching=False, load_format="dummy"))
+
+
+def engine_rows(a, names: list[str], table: dict, model_dir: Path, pools: AdapterPools, reqs: list[Request],
+                emit) -> None:
+    """One engine per rank (0 = base): warm it up, then run each of its scenarios."""
+    for rank in dict.fromkeys(table[n][2] for n in names):
+        t_build = time.perf_counter()
+        engine = make_engine(model_dir, a, rank, a.max_loras, a.max_num_seqs, a.input_len[1] + a.output_len[1],
+                             max_cpu_loras=a.max_cpu_loras)
+        rec = Recorder(engine)
+        warm = make_requests(a.concurrency, (a.input_len[0], min(64, a.input_len[1])),
+                             (a.output_len[0], min(16, a.output_len[1])), pools.shape["vocab_size"], None, seed=9)
+        warm_pool = pools.pool("warm", rank, a.concurrency) if rank else []
+        for pop in (("distinct", "one") if rank else ("none",)):
+            drive(engine, rec, assign_adapters(warm, pop, 1), warm_pool, a.concurrency, None, f"warm-{pop}")
+        print(f"# engine rank {rank}: built and warmed up in {time.perf_counter() - t_build:.1f} s", flush=True)
+        for name in (n for n in names if table[n][2] == rank):
+            pop, size, _ = table[name]
+            size = size or len(reqs)
+            loras = pools.pool(name.rsplit("-", 1)[0], rank, size) if rank else []
+            run = drive(engine, rec, assign_adapters(reqs, pop, size), loras, a.concurrency, a.rate, name)
+            emit(summarize(name, rank, size if rank else 0, run, a.concurrency))
+        engine.shutdown()
+        del engine, rec
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def hf_rows(a, work: Path, dtype: torch.dtype, emit) -> None:
+    """HF transformers + PEFT generate with adapter_names (one mixed batch) vs ours, same shape and adapters."""
+    import peft
+    import transformers
+
+    shape = TINY if a.tiny else LLAMA32_1B
+    model_dir = write_model_dir(work / "model-1b", shape)
+    loras = AdapterPools(work / "lora-1b", shape, dtype, a.weight_files).pool("hf", 16, a.hf_batch)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(4, shape["vocab_size"]) for _ in range(a.hf_prompt)] for _ in range(a.hf_batch)]
+    reqs = [Request(p, a.hf_new, 0.0, i) for i, p in enumerate(prompts)]
+    n = a.hf_batch
+    engine = make_engine(model_dir, a, 16, n, n, a.hf_prompt + a.hf_new, n * a.hf_prompt)
+    rec = Recorder(engine)
+    drive(engine, rec, [Request(r.prompt_ids, 4, 0.0, r.adapter) for r in reqs], loras, n, None, "warm")
+    ours = drive(engine, rec, reqs, loras, n, None, "ours")
+    engine.shutdown()
+    del engine, rec
+    gc.collect()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.device(device):
+        base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir),
+                                                             dtype=dtype)
+    model = peft.PeftModel.from_pretrained(base, loras[0].lora_path, adapter_name=loras[0].lora_name)
+    for lora in loras[1:]:
+        model.load_adapter(lora.lora_path, adapter_name=lora.lora_name)
+    model.eval()
+    ids = torch.tensor(prompts, device=device)
+
+    def generate(new: int, names: list[str]) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
+                                 max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=3)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (out.shape[1] - ids.shape[1]) * n / (time.perf_counter() - start)
+
+    names = [lora.lora_name for lora in loras]
+    generate(2, names)
+    hf_base = generate(a.hf_new, ["__base__"] * n)
+    hf = generate(a.hf_new, names)
+    del model, base
+    gc.collect()
+    tok_s = sum(ours["ntok"].values()) / ours["wall"]
+    emit(dict(scenario="hf-peft-base", rank=0, registered=0, tok_s=hf_base))
+    emit(dict(scenario="hf-peft-distinct", rank=16, registered=n, tok_s=hf))
+    emit(dict(scenario="ours-distinct", rank=16, registered=n, tok_s=tok_s, x_hf=tok_s / hf))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny model and lengths: the whole run on CPU in < 1 min")
+    p.add_argument("--scenarios", default="all", help="comma-separated names or globs (e.g. 'base,*-r16,hf')")
+    p.add_argument("--out", default=None, help="CSV directory (default $OUT, else bench/out)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second instead of a closed loop")
+    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--max-loras", type=int, help="GPU slots (default: concurrency)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="host LRU entries (default 2 x max-loras)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: max(64, concurrency)")
+    p.add_argument("--weight-files", type=int, default=4, help="distinct adapter weight files per rank")
+    p.add_argument("--hf-batch", type=int)
+    p.add_argument("--hf-prompt", type=int)
+    p.add_argument("--hf-new", type=int)
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--workdir", default=None, help="where model dirs and adapters go (default: a temp dir)")
+    a = p.parse_args(argv)
+    for key, value in (CPU_TINY if a.tiny else GPU).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    a.max_loras = a.max_loras or a.concurrency
+    a.max_num_seqs = a.max_num_seqs or max(64, a.concurrency)
+    return a
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    a = parse_args(argv)
+    torch.manual_seed(0)
+    if a.tiny and not torch.cuda.is_available():
+        torch.set_num_threads(1)  # tiny ops: on a 2-core CI box, 2 threads made a softmax 100x slower (2.5 ms)
+    table = scenarios(a.ranks)
+    known = list(table) + ["hf"]
+    picked = [n for n in known if any(fnmatch.fnmatch(n, pat) for pat in a.scenarios.split(","))] \
+        if a.scenarios != "all" else known
+    if not picked:
+        sys.exit(f"--scenarios {a.scenarios!r} matches none of {known}")
+    engine_names = [n for n in picked if n != "hf"]
+    if engine_names and "base" not in engine_names:
+        engine_names.insert(0, "base")  # every LoRA row is compared with it
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(a.dtype) \
+        or getattr(torch, a.dtype)
+    a.dtype = str(dtype).removeprefix("torch.")
+    esize = torch.empty((), dtype=dtype).element_size()
+    shape = TINY if a.tiny else LLAMA3_8B
+    out_dir = Path(a.out or os.environ.get("OUT") or Path(__file__).parent / "out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / ("engine_tiny.csv" if a.tiny else "engine.csv")
+    bw = copy_bandwidth(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device {name}  copy bandwidth {bw / 1e12:.3f} TB/s (read+write)  {a.dtype}  tp {a.tp}\n"
+          f"model {'tiny' if a.tiny else 'Llama-3-8B shape'}  requests {a.num_requests}  "
+          + (f"Poisson {a.rate}/s" if a.rate else f"closed loop {a.concurrency}")
+          + f"  in {a.input_len}  out {a.output_len}  max_loras {a.max_loras}  "
+          f"max_cpu_loras {a.max_cpu_loras or 2 * a.max_loras}  ranks {a.ranks}", flush=True)
+    rows: list[dict] = []
+    base: dict = {}
+
+    def emit(row: dict) -> None:
+        nonlocal base
+        if row["scenario"] == "base":
+            base = row
+        if "decode_ms" in row:
+            row = add_physics(row, base, shape, esize, bw, a.tp)
+        row = dict(row, device=name, copy_tb_s=bw / 1e12)
+        rows.append(row)
+        print(("\n" + header() + "\n" if len(rows) == 1 else "") + fmt(row)
+              + (f"   x hf {row['x_hf']:.1f}" if "x_hf" in row else ""), flush=True)
+        write_csv(csv_path, rows)
+
+    with tempfile.TemporaryDirectory(prefix="bench-engine-", dir=a.workdir) as tmp:
+        work = Path(tmp)
+        if engine_names:
+            pools = AdapterPools(work / "lora", shape, dtype, a.weight_files)
+            for name_ in engine_names:  # directories first: the 1,000-adapter pools take seconds, not run time
+                pop, size, rank = table[name_]
+                if rank:
+                    pools.pool(name_.rsplit("-", 1)[0], rank, size or a.num_requests)
+            reqs = make_requests(a.num_requests, tuple(a.input_len), tuple(a.output_len), shape["vocab_size"],
+                                 a.rate)
+            engine_rows(a, engine_names, table, write_model_dir(work / "model", shape), pools, reqs, emit)
+        if "hf" in picked:
+            hf_rows(a, work, dtype, emit)
+    print("\n" + header())
+    for row in rows:
+        print(fmt(row) + (f"   x hf {row['x_hf']:.1f}" if "x_hf" in row else ""))
+    print(f"CSV: {csv_path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""bench/engine.py's inputs and driver: model dirs, PEFT adapter pools, requests, the step loop, bytes, bandwidth.
+
+Model directories hold config.json and tokenizer files only (the engine draws
+random weights with load_format="dummy"). The tokenizer is a word-level one
+over the model's whole vocabulary (the demo checkpoint's tokenizer_config.json
+beside it), so that every generated id decodes to text and the streaming
+detokenizer's window stays short, as with Llama 3's real tokenizer; a
+1,536-token tokenizer would leave most of a 128,256-id vocabulary
+undecodable and make detokenizing cost grow with every generated token.
+
+Adapters: a few distinct random weight files per (shape, rank), written once;
+every registered adapter is a directory with its own adapter_config.json and
+an adapter_model.safetensors symlinked to one of them, so 1,000 registered
+8B-shaped rank-16 adapters take 4 files of 84 MB, not 84 GB.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models
+
+from lora_core.request import LoRARequest
+from replicas.demo_checkpoint import ensure_demo_checkpoint
+from replicas.engine import LLMEngine
+from replicas.sampling_params import SamplingParams
+
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+LLAMA32_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                  intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                  tie_word_embeddings=True)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3, as in the demo tokenizer
+_PEFT = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path="random", revision=None,
+             inference_mode=True, bias="none", lora_dropout=0.0, use_rslora=False, use_dora=False,
+             fan_in_fan_out=False, init_lora_weights=True, layers_to_transform=None, layers_pattern=None,
+             rank_pattern={}, alpha_pattern={}, modules_to_save=None, lora_bias=False)
+
+
+def head_dim(shape: dict) -> int:
+    return shape["hidden_size"] // shape["num_attention_heads"]
+
+
+def proj_dims(shape: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each LoRA target projection."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    q, kv = shape["num_attention_heads"] * head_dim(shape), shape["num_key_value_heads"] * head_dim(shape)
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def adapter_bytes(shape: dict, rank: int, esize: int) -> int:
+    """Bytes of one adapter on all seven projections (what a decode step reads per active adapter)."""
+    return esize * rank * shape["num_hidden_layers"] * sum(i + o for i, o in proj_dims(shape).values())
+
+
+def weight_bytes(shape: dict, esize: int) -> int:
+    """Weights a decode step reads: every layer's projections and the LM head (embedding rows are negligible)."""
+    layers = shape["num_hidden_layers"] * sum(i * o for i, o in proj_dims(shape).values())
+    return esize * (layers + shape["vocab_size"] * shape["hidden_size"])
+
+
+def kv_bytes_per_token(shape: dict, esize: int) -> int:
+    return esize * 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim(shape)
+
+
+def write_model_dir(path: Path, shape: dict) -> Path:
+    """config.json for the shape, the demo's tokenizer_config.json and a word-level tokenizer over the vocab."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
+                  head_dim=head_dim(shape), attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=3, torch_dtype="bfloat16")
+    config.update(shape)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copy(ensure_demo_checkpoint().model_dir / "tokenizer_config.json", path / "tokenizer_config.json")
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIALS), shape["vocab_size"])})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+class AdapterPools:
+    """Registered adapter directories by (pool, rank), sharing a few weight files per rank."""
+
+    def __init__(self, root: Path, shape: dict, dtype: torch.dtype, num_files: int = 4) -> None:
+        self.root, self.shape, self.dtype, self.num_files = root, shape, dtype, num_files
+        self._files: dict[int, list[Path]] = {}
+        self._pools: dict[tuple[str, int], list[LoRARequest]] = {}
+        self._next_id = 1
+
+    def weight_files(self, rank: int) -> list[Path]:
+        if rank not in self._files:
+            files = []
+            for k in range(self.num_files):
+                gen = torch.Generator().manual_seed(1000 * rank + k)
+                tensors = {}
+                for layer in range(self.shape["num_hidden_layers"]):
+                    for proj, (d_in, d_out) in proj_dims(self.shape).items():
+                        block = "self_attn" if proj in PROJECTIONS[:4] else "mlp"
+                        key = f"base_model.model.model.layers.{layer}.{block}.{proj}"
+                        tensors[key + ".lora_A.weight"] = (torch.randn(rank, d_in, generator=gen)
+                                                           / math.sqrt(d_in)).to(self.dtype)
+                        tensors[key + ".lora_B.weight"] = (0.01 * torch.randn(d_out, rank, generator=gen)
+                                                           ).to(self.dtype)
+                path = self.root / "weights" / f"r{rank}-{k}.safetensors"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_file(tensors, str(path), metadata={"format": "pt"})
+                files.append(path)
+            self._files[rank] = files
+        return self._files[rank]
+
+    def pool(self, name: str, rank: int, size: int) -> list[LoRARequest]:
+        """`size` adapters named <name>-r<rank>-<i>, each with its own directory and lora_int_id."""
+        key = (name, rank)
+        if key not in self._pools or len(self._pools[key]) < size:
+            files = self.weight_files(rank)
+            have = self._pools.setdefault(key, [])
+            config = json.dumps(dict(_PEFT, r=rank, lora_alpha=rank, target_modules=list(PROJECTIONS)))
+            for i in range(len(have), size):
+                d = self.root / "adapters" / f"{name}-r{rank}-{i}"
+                d.mkdir(parents=True, exist_ok=True)
+                (d / "adapter_config.json").write_text(config)
+                (d / "adapter_model.safetensors").symlink_to(files[i % len(files)])
+                have.append(LoRARequest(d.name, self._next_id, str(d)))
+                self._next_id += 1
+        return self._pools[key][:size]
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    arrival: float  # seconds after the start (Poisson); 0 in a closed loop
+    adapter: int | None  # index into the scenario's adapter pool
+
+
+def make_requests(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
+                  rate: float | None, seed: int = 0) -> list[Request]:
+    """Lengths uniform in the ranges, random prompt ids; the same for every scenario of a run."""
+    rng = random.Random(seed)
+    t, reqs = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate) if rate else 0.0
+        prompt = [rng.randrange(len(SPECIALS), vocab) for _ in range(rng.randint(*in_range))]
+        reqs.append(Request(prompt, rng.randint(*out_range), t, None))
+    return reqs
+
+
+def assign_adapters(reqs: list[Request], popularity: str, pool_size: int, seed: int = 1) -> list[Request]:
+    """none | one | distinct (request i -> adapter i) | uniform | zipf (P(k) ~ (k+1)^-1.5) over pool_size."""
+    rng = random.Random(seed)
+    weights = [(k + 1) ** -1.5 for k in range(pool_size)] if popularity == "zipf" else None
+    out = []
+    for i, r in enumerate(reqs):
+        adapter = {"none": None, "one": 0, "distinct": i,
+                   "uniform": rng.randrange(pool_size) if popularity == "uniform" else None,
+                   "zipf": rng.choices(range(pool_size), weights)[0] if weights else None}[popularity]
+        out.append(Request(r.prompt_ids, r.max_tokens, r.arrival, adapter))
+    return out
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a large tensor copy (1 GiB on GPU, 64 MiB on CPU), median."""
+    if device.type == "cuda":
+        src = torch.empty(1 << 29, dtype=torch.float16, device=device).normal_()
+        dst = torch.empty_like(src)
+        times = []
+        for i in range(25):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            if i >= 5:
+                times.append(start.elapsed_time(end) * 1e-3)
+    else:
+        src = torch.randn(1 << 24)
+        dst = torch.empty_like(src)
+        times = []
+        for i in range(12):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+class Recorder:
+    """Per-step wall time and shape (wrapping engine._step_input), and adapter loads (rank 0's runner._load)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.steps: list[tuple[float, bool, int, int, int]] = []  # seconds, prefill, batch, adapters, kv tokens
+        self.loads, self._last = 0, None
+        make_input = engine._step_input
+
+        def recording(out):
+            self._last = make_input(out)
+            return self._last
+
+        engine._step_input = recording
+        runner = getattr(engine.executor, "runner", None)
+        if runner is not None:
+            load = runner._load
+
+            def counting(request):
+                self.loads += 1
+                return load(request)
+
+            runner._load = counting
+
+    def record(self, seconds: float) -> None:
+        s, self._last = self._last, None
+        if s is not None:
+            self.steps.append((seconds, s.is_prefill, len(s.sample_rows), len({i for i in s.sample_lora_ids if i}),
+                               sum(s.seq_lens)))
+
+
+def drive(engine: LLMEngine, rec: Recorder, reqs: list[Request], loras: list, concurrency: int,
+          rate: float | None, tag: str) -> dict:
+    """Run reqs to completion (closed loop of `concurrency`, or Poisson arrivals); per-request times."""
+    pending, active = deque(range(len(reqs))), 0
+    added, first, done, ntok = {}, {}, {}, {}
+    rec.steps.clear()
+    loads0 = rec.loads
+    t0 = time.perf_counter()
+    while True:
+        now = time.perf_counter()
+        while pending and (t0 + reqs[pending[0]].arrival <= now if rate else active < concurrency):
+            i = pending.popleft()
+            r = reqs[i]
+            added[i] = t0 + r.arrival if rate else time.perf_counter()  # a load in add_request counts
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_ids},
+                               SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
+                               None if r.adapter is None else loras[r.adapter])
+            active += 1
+        if not engine.has_unfinished_requests():
+            if not pending:
+                break
+            time.sleep(max(0.0, t0 + reqs[pending[0]].arrival - time.perf_counter()))
+            continue
+        start = time.perf_counter()
+        outputs = engine.step()
+        end = time.perf_counter()
+        rec.record(end - start)
+        for out in outputs:
+            if out.error is not None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error!r}")
+            i = int(out.request_id.rsplit("-", 1)[1])
+            if out.outputs[0].token_ids and i not in first:
+                first[i] = end
+            if out.finished:
+                done[i], ntok[i] = end, len(out.outputs[0].token_ids)
+                active -= 1
+    return dict(added=added, first=first, done=done, ntok=ntok, wall=max(done.values()) - t0,
+                steps=list(rec.steps), loads=rec.loads - loads0)
+
+
+def summarize(name: str, rank: int, registered: int, run: dict, concurrency: int) -> dict:
+    ntok = run["ntok"]
+    ttft = [run["first"][i] - run["added"][i] for i in ntok]
+    tpot = [(run["done"][i] - run["first"][i]) / (n - 1) for i, n in ntok.items() if n > 1]
+    decode = [s for s in run["steps"] if not s[1]]
+    full = [s for s in decode if s[2] == concurrency]
+    use = full if len(full) >= 5 else decode
+    mean = (lambda xs: statistics.fmean(xs) if xs else float("nan"))
+    return dict(scenario=name, rank=rank, registered=registered, requests=len(ntok), tokens=sum(ntok.values()),
+                wall_s=run["wall"], tok_s=sum(ntok.values()) / run["wall"],
+                ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
+                tpot_p50_ms=1e3 * percentile(tpot, 50), tpot_p99_ms=1e3 * percentile(tpot, 99),
+                decode_ms=1e3 * percentile([s[0] for s in use], 50), decode_batch=mean([s[2] for s in use]),
+                decode_steps=len(use), adapters=mean([s[3] for s in use]), kv_tokens=mean([s[4] for s in use]),
+                loads=run["loads"])

@@ -1,0 +1,72 @@
+"""bench/engine.py --tiny runs end to end on CPU: every scenario row printed with finite numbers, CSV written.
+
+It runs as a subprocess (the real command line, its own process) on the tiny
+model; the GPU run with the Llama-3-8B shape is recorded in bench/RESULTS.md.
+Times are not checked, only that they were measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_ROWS = ["base"] + [f"{p}-r{r}" for r in (16, 64)
+                          for p in ("one", "distinct", "uniform100", "zipf100", "uniform1000", "zipf1000")]
+HF_ROWS = ["hf-peft-base", "hf-peft-distinct", "ours-distinct"]
+NUMERIC = 14  # columns after the scenario name in an engine row
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_engine")
+    env = dict(os.environ, OUT=str(out), TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    env.setdefault("LORAFLEET_CACHE", str(tmp_path_factory.mktemp("cache")))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--tiny"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, out
+
+
+def _rows(stdout: str) -> dict[str, list[str]]:
+    """The final table: the last line printed for each scenario name."""
+    rows = {}
+    for line in stdout.splitlines():
+        fields = line.split()
+        if fields and fields[0] in ENGINE_ROWS + HF_ROWS:
+            rows[fields[0]] = fields[1:]
+    return rows
+
+
+def test_every_scenario_row_has_finite_numbers(tiny_run):
+    rows = _rows(tiny_run[0])
+    assert set(rows) == set(ENGINE_ROWS + HF_ROWS), sorted(set(ENGINE_ROWS + HF_ROWS) - set(rows))
+    for name in ENGINE_ROWS:
+        values = [float(v) for v in rows[name]]
+        assert len(values) == NUMERIC and all(math.isfinite(v) for v in values), (name, rows[name])
+        assert values[2] > 0, name  # tok/s
+    assert float(rows["base"][7]) == 1.0  # x base
+    for name in HF_ROWS:
+        assert math.isfinite(float(rows[name][2])) and float(rows[name][2]) > 0, (name, rows[name])
+    assert "x hf" in tiny_run[0]
+
+
+def test_csv_holds_every_row(tiny_run):
+    path = tiny_run[1] / "engine_tiny.csv"
+    with open(path, newline="") as f:
+        rows = {r["scenario"]: r for r in csv.DictReader(f)}
+    assert set(rows) == set(ENGINE_ROWS + HF_ROWS)
+    for name in ENGINE_ROWS:
+        for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "x_base", "decode_ms",
+                    "extra_ms", "bound_ms", "x_bound"):
+            assert math.isfinite(float(rows[name][key])), (name, key, rows[name][key])
+        assert int(rows[name]["tokens"]) > 0
+    assert int(rows["one-r16"]["loads"]) == 1  # registered once, reused by every request
+    assert int(rows["distinct-r16"]["loads"]) == int(rows["distinct-r16"]["requests"])
+    assert math.isfinite(float(rows["ours-distinct"]["x_hf"]))
