@@ -183,3 +183,34 @@ def test_pinned_adapters_keep_their_slots_and_others_still_run(demo, lora_reques
     assert all(o.error is None and len(o.outputs[0].token_ids) == 4 for o in outs)
     manager = engine.executor.runner.lora_manager
     assert manager.slot_of(sql.lora_int_id) is not None and manager.is_pinned(sql.lora_int_id)
+
+
+def test_adapter_on_embeddings_and_lm_head_matches_peft(demo, tmp_path):
+    """An adapter written by peft on embed_tokens + lm_head (+ q_proj): greedy tokens and logprobs equal PEFT's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32).eval()
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head", "q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "emb")
+    tok = AutoTokenizer.from_pretrained(demo.model_dir)
+    ids = tok(PROMPTS[1], return_tensors="pt").input_ids
+    want_tokens, want_lps = [], []
+    for _ in range(8):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+        want_tokens.append(int(lp.argmax()))
+        want_lps.append(float(lp.max()))
+        ids = torch.cat([ids, torch.tensor([[want_tokens[-1]]])], dim=1)
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32")
+    lora = LoRARequest("emb", 7, str(tmp_path / "emb"))
+    out = llm.generate([PROMPTS[1], PROMPTS[1]], _greedy(8), [lora, None])
+    got = out[0].outputs[0]
+    assert got.token_ids == want_tokens
+    assert max(abs(step[t] - w) for step, t, w in zip(got.logprobs, got.token_ids, want_lps)) < 2e-3
+    assert out[1].outputs[0].token_ids != want_tokens  # the adapter changed the output
