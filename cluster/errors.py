@@ -1,0 +1,30 @@
+"""Typed errors of the cluster layer. Only the ingress maps them (and lower layers' errors) to HTTP codes."""
+
+from __future__ import annotations
+
+
+class ClusterError(Exception):
+    """Base of the errors cluster/ raises on purpose."""
+
+
+class BadAdapterSourceError(ClusterError, ValueError):
+    """A lora_path that is malformed, outside the allowed roots, or contains '..' (HTTP 400); nothing was read."""
+
+
+class AdapterNotFoundError(ClusterError, KeyError):
+    """An adapter name that is not registered, or a source that has no adapter at that address (HTTP 404)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "adapter not found"
+
+
+class SourceUnavailableError(ClusterError, RuntimeError):
+    """The origin (S3, the Hub) could not be reached or failed (HTTP 502/503); other adapters are unaffected."""
+
+
+class OverloadedError(ClusterError, RuntimeError):
+    """Too many requests queued on every replica (HTTP 429/503)."""
+
+
+class AuthenticationError(ClusterError, PermissionError):
+    """Missing or wrong API key (HTTP 401)."""
