@@ -57,11 +57,11 @@ GPU = dict(num_requests=128, concurrency=32, input_len=(8, 512), output_len=(8, 
            hf_new=64)
 CPU_TINY = dict(num_requests=12, concurrency=4, input_len=(4, 24), output_len=(2, 12), hf_batch=4, hf_prompt=16,
                 hf_new=8)
-COLUMNS = [("scenario", "{:16}", "s"), ("rank", "{:>4}", "d"), ("registered", "{:>6}", "d"),
-           ("tok_s", "{:>9}", ".1f"), ("ttft_p50_ms", "{:>8}", ".1f"), ("ttft_p99_ms", "{:>8}", ".1f"),
-           ("tpot_p50_ms", "{:>8}", ".2f"), ("tpot_p99_ms", "{:>8}", ".2f"), ("x_base", "{:>7}", ".3f"),
-           ("decode_ms", "{:>8}", ".2f"), ("adapters", "{:>6}", ".1f"), ("loads", "{:>6}", "d"),
-           ("extra_ms", "{:>8}", ".2f"), ("bound_ms", "{:>8}", ".2f"), ("x_bound", "{:>7}", ".2f")]
+COLUMNS = [("scenario", "{:16}", "s"), ("rank", "{:>3}", "d"), ("registered", "{:>5}", "d"),
+           ("tok_s", "{:>8}", ".1f"), ("ttft_p50_ms", "{:>7}", ".1f"), ("ttft_p99_ms", "{:>7}", ".1f"),
+           ("tpot_p50_ms", "{:>7}", ".2f"), ("tpot_p99_ms", "{:>7}", ".2f"), ("x_base", "{:>6}", ".3f"),
+           ("decode_ms", "{:>7}", ".2f"), ("adapters", "{:>5}", ".1f"), ("loads", "{:>5}", "d"),
+           ("extra_ms", "{:>7}", ".2f"), ("bound_ms", "{:>7}", ".2f"), ("x_bound", "{:>6}", ".2f")]
 HEADS = ["scenario", "r", "#reg", "tok/s", "ttft50", "ttft99", "tpot50", "tpot99", "x base", "dec ms", "#ad",
          "loads", "extra", "bound", "x bnd"]
 
@@ -86,11 +86,11 @@ def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: i
 
 
 def fmt(row: dict) -> str:
-    return "".join(spec.format(format(row[key], f) if key in row else "-") for key, spec, f in COLUMNS)
+    return " ".join(spec.format(format(row[key], f) if key in row else "-") for key, spec, f in COLUMNS)
 
 
 def header() -> str:
-    return "".join(spec.format(h) for (_, spec, _), h in zip(COLUMNS, HEADS))
+    return " ".join(spec.format(h) for (_, spec, _), h in zip(COLUMNS, HEADS))
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -13,6 +13,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# On a two-core CI machine intra-op threads fight over the small tensors of
+# these tests (a softmax took 100x longer with two threads); worker processes
+# started by tests inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
