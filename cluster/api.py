@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP API (FastAPI), over any backend with LoRAServer's methods.
+
+Routes: /v1/completions, /v1/chat/completions (SSE streaming with `stream`),
+/v1/models, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
+/health and /metrics. This is the one place where domain errors become HTTP
+status codes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapterSourceError, OverloadedError,
+                            SourceUnavailableError)
+from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
+                              UnloadLoRAAdapterRequest)
+from cluster.server import GenerateRequest
+from lora_core.errors import InvalidAdapterError, LoRAConfigError, UnknownLoRAError
+from replicas.errors import EngineDeadError, InvalidRequestError
+from replicas.outputs import RequestOutput
+
+# (exception types, HTTP status, OpenAI error type); first match wins.
+ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
+    ((AuthenticationError,), 401, "authentication_error"),
+    ((AdapterNotFoundError, UnknownLoRAError), 404, "not_found_error"),
+    ((InvalidRequestError, BadAdapterSourceError, InvalidAdapterError, LoRAConfigError, ValueError), 400,
+     "invalid_request_error"),
+    ((OverloadedError,), 429, "rate_limit_error"),
+    ((SourceUnavailableError, EngineDeadError), 503, "service_unavailable"),
+]
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    for types, status, kind in ERROR_STATUS:
+        if isinstance(exc, types):
+            break
+    else:
+        status, kind = 500, "internal_error"
+    param = ",".join(getattr(exc, "fields", []) or []) or None
+    body = {"object": "error", "error": {"message": str(exc), "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("lorafleet_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens", ["model"], registry=self.registry)
+        self.generated_tokens = Counter("lorafleet_generated_tokens", "Generated tokens", ["model"],
+                                        registry=self.registry)
+        self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Time to first token", ["model"],
+                              registry=self.registry)
+        self.tpot = Histogram("lorafleet_time_per_output_token_seconds", "Time per output token after the first",
+                              ["model"], registry=self.registry,
+                              buckets=(.001, .0025, .005, .01, .02, .04, .08, .16, .32, .64, 1.28))
+
+
+def build_api(backend: Any, api_keys: list[str] | None = None,
+              extra_metrics: Callable[[], str] | None = None) -> FastAPI:
+    """The HTTP app. backend: model_name, generate(GenerateRequest), models(), load/unload_adapter."""
+    app = FastAPI(title="lorafleet", version="0.1.0")
+    metrics = _Metrics()
+    keys = [k.encode() for k in api_keys or []]
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if keys and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            token = header[7:].encode() if header.lower().startswith("bearer ") else b""
+            if not any(secrets.compare_digest(token, k) for k in keys):
+                metrics.requests.labels(request.url.path, "401").inc()
+                return error_response(AuthenticationError("missing or invalid API key (Authorization: Bearer ...)"))
+        response = await call_next(request)
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_request: Request, exc: RequestValidationError):
+        problems = [(".".join(str(p) for p in e["loc"] if p != "body"), e["msg"]) for e in exc.errors()]
+        return error_response(InvalidRequestError(problems or [("body", "malformed request body")]))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        text = generate_latest(metrics.registry).decode()
+        if extra_metrics is not None:
+            text += await extra_metrics()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": await backend.models()}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        try:
+            await backend.load_adapter(body.lora_name, body.lora_path)
+        except Exception as exc:  # noqa: BLE001 - mapped to its status code
+            return error_response(exc)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        try:
+            await backend.unload_adapter(body.lora_name)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt = {"prompt_token_ids": prompt}
+        elif isinstance(prompt, list):
+            if len(prompt) != 1:
+                return error_response(InvalidRequestError([("prompt", "send one prompt per request")]))
+            prompt = prompt[0]
+        req = GenerateRequest(body.model, body.sampling(backend.default_max_tokens, body.logprobs), prompt=prompt)
+        return await _respond(req, body, _CompletionFormat(body, backend))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        sampling = body.sampling(backend.default_max_tokens, logprobs)
+        if body.max_completion_tokens is not None:
+            sampling["max_tokens"] = body.max_completion_tokens
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        req = GenerateRequest(body.model, sampling, messages=messages,
+                              add_generation_prompt=body.add_generation_prompt)
+        return await _respond(req, body, _ChatFormat(body, backend))
+
+    async def _respond(req: GenerateRequest, body: Any, fmt: "_Format"):
+        start = time.monotonic()
+        stream = backend.generate(req)
+        try:
+            first = await stream.__anext__()  # errors before the first token are plain HTTP errors
+        except StopAsyncIteration:
+            return error_response(EngineDeadError("the request ended without output"))
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        timing = _Timing(metrics, body.model, start)
+        if not body.stream:
+            last = first
+            async for out in stream:
+                last = out
+                timing.token(out)
+            timing.done(last)
+            return JSONResponse(fmt.full(last))
+
+        async def events() -> AsyncIterator[str]:
+            sent, last = 0, first
+            try:
+                async for out in _achain(first, stream):
+                    timing.token(out)
+                    text = out.outputs[0].text
+                    chunk = fmt.chunk(text[sent:], out)
+                    sent = len(text)
+                    last = out
+                    if chunk is not None:
+                        yield f"data: {json.dumps(chunk)}\n\n"
+            except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band, then close
+                yield f"data: {error_response(exc).body.decode()}\n\n"
+            else:
+                timing.done(last)
+                if (body.stream_options or {}).get("include_usage"):
+                    yield f"data: {json.dumps(fmt.usage_chunk(last))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app.state.metrics = metrics
+    return app
+
+
+async def _achain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in rest:
+        yield out
+
+
+class _Timing:
+    def __init__(self, metrics: _Metrics, model: str, start: float) -> None:
+        self.metrics, self.model, self.start = metrics, model, start
+        self.first: float | None = None
+
+    def token(self, out: RequestOutput) -> None:
+        if self.first is None and out.outputs and out.outputs[0].token_ids:
+            self.first = time.monotonic()
+            self.metrics.ttft.labels(self.model).observe(self.first - self.start)
+
+    def done(self, out: RequestOutput) -> None:
+        self.token(out)
+        n = len(out.outputs[0].token_ids)
+        self.metrics.prompt_tokens.labels(self.model).inc(len(out.prompt_token_ids))
+        self.metrics.generated_tokens.labels(self.model).inc(n)
+        if self.first is not None and n > 1:
+            self.metrics.tpot.labels(self.model).observe((time.monotonic() - self.first) / (n - 1))
+
+
+class _Format:
+    object_full = ""
+    object_chunk = ""
+    prefix = ""
+
+    def __init__(self, body: Any, backend: Any) -> None:
+        self.body, self.backend = body, backend
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model, "choices": choices}
+
+    @staticmethod
+    def usage(out: RequestOutput) -> dict:
+        p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        chunk = self._envelope(self.object_chunk, [])
+        chunk["usage"] = self.usage(out)
+        return chunk
+
+    @staticmethod
+    def finish_reason(out: RequestOutput) -> str | None:
+        return out.outputs[0].finish_reason if out.finished else None
+
+
+class _CompletionFormat(_Format):
+    object_full = object_chunk = "text_completion"
+    prefix = "cmpl"
+
+    def _logprobs(self, out: RequestOutput) -> dict | None:
+        lps = out.outputs[0].logprobs
+        if lps is None:
+            return None
+        decode = self.backend.decode_token
+        tokens = out.outputs[0].token_ids
+        return {"tokens": [decode(t) for t in tokens], "token_logprobs": [lp.get(t) for lp, t in zip(lps, tokens)],
+                "top_logprobs": [{decode(k): v for k, v in lp.items()} for lp in lps], "text_offset": None}
+
+    def full(self, out: RequestOutput) -> dict:
+        c = out.outputs[0]
+        body = self._envelope(self.object_full, [{"index": 0, "text": c.text, "logprobs": self._logprobs(out),
+                                                  "finish_reason": self.finish_reason(out)}])
+        body["usage"] = self.usage(out)
+        return body
+
+    def chunk(self, delta: str, out: RequestOutput) -> dict | None:
+        if not delta and not out.finished:
+            return None
+        return self._envelope(self.object_chunk, [{"index": 0, "text": delta, "logprobs": None,
+                                                   "finish_reason": self.finish_reason(out)}])
+
+
+class _ChatFormat(_Format):
+    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
+    prefix = "chatcmpl"
+
+    def __init__(self, body: Any, backend: Any) -> None:
+        super().__init__(body, backend)
+        self._started = False
+
+    def full(self, out: RequestOutput) -> dict:
+        c = out.outputs[0]
+        body = self._envelope(self.object_full, [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                                                  "logprobs": None, "finish_reason": self.finish_reason(out)}])
+        body["usage"] = self.usage(out)
+        return body
+
+    def chunk(self, delta: str, out: RequestOutput) -> dict | None:
+        message: dict[str, str] = {}
+        if not self._started:
+            message["role"] = "assistant"
+            self._started = True
+        if delta:
+            message["content"] = delta
+        if not message and not out.finished:
+            return None
+        return self._envelope(self.object_chunk, [{"index": 0, "delta": message, "logprobs": None,
+                                                   "finish_reason": self.finish_reason(out)}])

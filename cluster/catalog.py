@@ -1,0 +1,66 @@
+"""LocalCatalog: an AdapterCatalog for one process (tests, and `LoRAServer` without Ray).
+
+register fetches the adapter from its origin once and validates it with
+lora_core before it counts as registered, so a broken adapter is refused at
+load time with its typed error. The Ray deployment uses the shared adapter
+tier instead (cluster/tier_catalog.py), which fetches once per cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+from cluster.errors import AdapterNotFoundError
+from cluster.sources import SourceSettings, parse_adapter_uri
+from lora_core.lora_model import LoRAModel
+
+# Every module name a Llama-family adapter may target (lora_core validates the rest).
+LLAMA_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                      "embed_tokens", "lm_head"]
+
+
+def validate_adapter_dir(path: Path) -> None:
+    """Parse and check the adapter as the engine will; raises lora_core's typed errors."""
+    LoRAModel.from_local_checkpoint(str(path), LLAMA_LORA_MODULES)
+
+
+class LocalCatalog:
+    def __init__(self, settings: SourceSettings, cache_dir: str | Path | None = None) -> None:
+        self.settings = settings
+        self.cache_dir = Path(cache_dir or tempfile.mkdtemp(prefix="lorafleet-adapters-"))
+        self._uris: dict[str, str] = {}
+        self._paths: dict[str, Path] = {}
+        self.origin_fetches = 0
+
+    async def register(self, name: str, uri: str) -> None:
+        source = parse_adapter_uri(uri, self.settings)  # a bad uri fails here, before any I/O
+        dest = self.cache_dir / f"{len(self._paths)}-{name.replace('/', '_')}"
+        try:
+            path = await asyncio.to_thread(source.fetch, dest)
+            self.origin_fetches += 1
+            await asyncio.to_thread(validate_adapter_dir, path)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        self._uris[name] = uri
+        self._paths[name] = path
+
+    async def unregister(self, name: str) -> None:
+        if name not in self._uris:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        del self._uris[name]
+        shutil.rmtree(self._paths.pop(name), ignore_errors=True)
+
+    async def lookup(self, name: str) -> str | None:
+        return self._uris.get(name)
+
+    async def local_path(self, name: str) -> Path:
+        if name not in self._paths:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        return self._paths[name]
+
+    async def registered(self) -> dict[str, str]:
+        return dict(self._uris)

@@ -1,0 +1,35 @@
+"""Chat prompts: the tokenizer's own chat template (Jinja), or a plain fallback when it has none."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from replicas.errors import InvalidRequestError
+
+_FALLBACK = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    # Templates come with model files: render them sandboxed, as transformers does.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(template)
+
+
+def _raise(message: str) -> None:
+    raise InvalidRequestError([("messages", message)])
+
+
+def render_chat(messages: list[dict[str, str]], template: str | None, bos_token: str | None = None,
+                eos_token: str | None = None, add_generation_prompt: bool = True) -> str:
+    """The prompt text for ``messages``; a template's own checks become InvalidRequestError (HTTP 400)."""
+    try:
+        return _compile(template or _FALLBACK).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                       bos_token=bos_token or "", eos_token=eos_token or "")
+    except jinja2.TemplateError as exc:
+        raise InvalidRequestError([("messages", f"chat template failed: {exc}")]) from exc

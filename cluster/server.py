@@ -1,0 +1,168 @@
+"""LoRAServer: one replica's serving logic, a plain class (the Serve deployment is a thin shell around it).
+
+It owns an AsyncLLMEngine, knows which adapter names it serves and where they
+come from, turns OpenAI-style requests into engine requests and reports the
+routing stats the adapter-affinity router reads. Adapters named by a request
+but not loaded here are pulled from the AdapterCatalog (the cluster's shared
+adapter tier, or a local one in tests) and added to the engine on demand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Protocol
+
+from cluster.chat import render_chat
+from cluster.errors import AdapterNotFoundError
+from lora_core.request import LoRARequest
+from replicas.async_engine import AsyncLLMEngine
+from replicas.engine import EngineArgs
+from replicas.outputs import RequestOutput
+
+
+class AdapterCatalog(Protocol):
+    """Where adapters live cluster-wide: name -> local directory, fetched once per cluster."""
+
+    async def register(self, name: str, uri: str) -> None: ...
+    async def unregister(self, name: str) -> None: ...
+    async def lookup(self, name: str) -> str | None: ...  # the uri, or None if unknown
+    async def local_path(self, name: str) -> Path: ...  # a directory with adapter_config.json + safetensors
+    async def registered(self) -> dict[str, str]: ...
+
+
+@dataclass
+class ServerConfig:
+    model: str = "demo"  # an HF-format directory, or "demo" for the embedded demo model and adapters
+    served_model_name: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineArgs fields
+    default_max_tokens: int = 256
+    preload_adapters: dict[str, str] = field(default_factory=dict)  # name -> uri, registered at start
+
+    def engine_args(self, model_dir: str) -> EngineArgs:
+        args = dict(enable_lora=True, max_loras=4, max_lora_rank=64)
+        args.update(self.engine)
+        return EngineArgs(model=model_dir, **args)
+
+
+@dataclass
+class GenerateRequest:
+    """One request as the ingress hands it to a replica; ``messages`` (chat) replaces ``prompt``."""
+
+    model: str
+    sampling: dict[str, Any]
+    prompt: str | dict | None = None
+    messages: list[dict[str, str]] | None = None
+    add_generation_prompt: bool = True
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+class LoRAServer:
+    def __init__(self, config: ServerConfig, catalog: AdapterCatalog) -> None:
+        self.config = config
+        self.catalog = catalog
+        model_dir = config.model
+        self._demo_adapters: dict[str, str] = {}
+        if config.model == "demo":
+            from replicas.demo_checkpoint import ensure_demo_checkpoint
+
+            demo = ensure_demo_checkpoint()
+            model_dir = str(demo.model_dir)
+            self._demo_adapters = {name: str(path) for name, path in demo.adapters.items()}
+        self.model_dir = model_dir
+        self.model_name = config.served_model_name or ("lorafleet-demo" if config.model == "demo"
+                                                      else os.path.basename(os.path.normpath(model_dir)))
+        self.engine = AsyncLLMEngine(config.engine_args(model_dir))
+        self.tokenizer = self.engine.engine.tokenizer
+        self._loaded: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+        self._inflight = 0
+
+    async def start(self) -> None:
+        """Register the demo and configured adapters in the catalog (idempotent across replicas)."""
+        for name, uri in {**self._demo_adapters, **self.config.preload_adapters}.items():
+            if await self.catalog.lookup(name) is None:
+                await self.catalog.register(name, uri)
+
+    # ---- adapters -------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, uri: str) -> None:
+        """Register cluster-wide (the catalog fetches and validates it once) and load it here."""
+        if name == self.model_name:
+            from replicas.errors import InvalidRequestError
+
+            raise InvalidRequestError([("lora_name", f"{name!r} is the base model's name")])
+        await self.catalog.register(name, uri)
+        await self._ensure_loaded(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        if await self.catalog.lookup(name) is None and name not in self._loaded:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        await self.catalog.unregister(name)
+        if name in self._loaded:
+            await self.engine.remove_lora(name)
+            del self._loaded[name]
+
+    async def _ensure_loaded(self, name: str) -> LoRARequest:
+        request = self._loaded.get(name)
+        if request is None:
+            if await self.catalog.lookup(name) is None:
+                raise AdapterNotFoundError(f"model {name!r} does not exist: not the base model "
+                                           f"({self.model_name!r}) nor a registered adapter")
+            path = await self.catalog.local_path(name)
+            request = LoRARequest(name, next(self._ids), str(path))
+            await self.engine.add_lora(request)
+            self._loaded[name] = request
+        return request
+
+    async def models(self) -> list[dict[str, Any]]:
+        created = int(time.time())
+        cards = [dict(id=self.model_name, object="model", created=created, owned_by="lorafleet", root=self.model_dir,
+                      parent=None)]
+        for name, uri in sorted((await self.catalog.registered()).items()):
+            cards.append(dict(id=name, object="model", created=created, owned_by="lorafleet", root=uri,
+                              parent=self.model_name))
+        return cards
+
+    # ---- generation -----------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; typed errors for a bad model name, prompt or parameter."""
+        lora = None if request.model == self.model_name else await self._ensure_loaded(request.model)
+        prompt = request.prompt
+        if request.messages is not None:
+            tok = self.tokenizer
+            text = render_chat(request.messages, tok.chat_template, tok.bos_token, tok.eos_token,
+                               request.add_generation_prompt)
+            prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}  # the template adds BOS
+        self._inflight += 1
+        try:
+            async for output in self.engine.generate(prompt, request.sampling, request.request_id, lora):
+                yield output
+        finally:
+            self._inflight -= 1
+
+    def routing_stats(self) -> dict[str, Any]:
+        """What the router reads: adapters resident on GPU / in host memory, free slots, queue depth."""
+        engine = self.engine.engine
+        manager = getattr(engine.executor.runner, "lora_manager", None)
+        by_id = {r.lora_int_id: name for name, r in self._loaded.items()}
+        gpu = [by_id[i] for i in list(manager.lora_index_to_id) if i in by_id] if manager else []
+        host = [by_id[i] for i in list(manager.list_adapters()) if i in by_id] if manager else []
+        max_loras = len(manager.lora_index_to_id) if manager else 0
+        return dict(gpu_adapters=gpu, host_adapters=host, free_slots=max_loras - len(gpu),
+                    queue_len=self._inflight, max_loras=max_loras)
+
+    @property
+    def default_max_tokens(self) -> int:
+        return self.config.default_max_tokens
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
