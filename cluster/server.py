@@ -119,6 +119,16 @@ class LoRAServer:
             self._loaded[name] = request
         return request
 
+    async def sync_registry(self) -> None:
+        """Forget adapters that were unregistered cluster-wide and no request uses now."""
+        registered = await self.catalog.registered()
+        for name in [n for n in self._loaded if n not in registered]:
+            try:
+                await self.engine.remove_lora(name)
+            except Exception:  # noqa: BLE001 - still in use: try again at the next sync
+                continue
+            del self._loaded[name]
+
     async def models(self) -> list[dict[str, Any]]:
         created = int(time.time())
         cards = [dict(id=self.model_name, object="model", created=created, owned_by="lorafleet", root=self.model_dir,

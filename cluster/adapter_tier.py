@@ -1,0 +1,310 @@
+"""AdapterTier: the cluster's shared adapter cache, between the replicas' host caches and the origins.
+
+It keeps the registry of adapters (name -> source uri, persisted so a restart
+forgets none), fetches an adapter from its origin once however many callers
+miss on it at the same time, validates it with lora_core before anyone sees
+it, and caches it LRU by bytes. Plain asyncio and no Ray: the actor in
+adapter_tier_actor.py wraps it and stores each blob in the object store
+through ``pack``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copyreg
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+import safetensors.torch
+import torch
+
+from cluster.errors import AdapterNotFoundError, SourceUnavailableError
+from lora_core import errors as lora_errors
+from lora_core.lora_model import WEIGHTS_NAME, LoRAModel
+from lora_core.peft_helper import CONFIG_NAME
+
+logger = logging.getLogger(__name__)
+
+# The module suffixes a Llama-architecture model can take a LoRA on.
+LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                      "embed_tokens", "lm_head")
+REGISTRY_FILE = "adapters.json"
+
+
+@dataclass
+class AdapterBlob:
+    """One validated adapter as plain data: its adapter_config.json and its PEFT tensors.
+
+    tensors maps the safetensors keys to numpy arrays, so that the object
+    store hands same-node readers zero-copy (read-only) views. numpy has no
+    bfloat16 or float8: such a tensor is kept as its raw bits (uint16 / uint8)
+    and torch_dtypes names its real dtype ("bfloat16").
+    """
+
+    name: str
+    uri: str
+    config: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    torch_dtypes: dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.nbytes:
+            self.nbytes = sum(t.nbytes for t in self.tensors.values()) + len(json.dumps(self.config))
+
+
+def materialize(blob: AdapterBlob, dest_dir: str | Path) -> Path:
+    """Write blob as a PEFT directory (adapter_config.json + adapter_model.safetensors); return dest_dir."""
+    dest = Path(dest_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    if blob.torch_dtypes:
+        tensors = {k: _from_numpy(a, blob.torch_dtypes.get(k)) for k, a in blob.tensors.items()}
+        safetensors.torch.save_file(tensors, str(dest / WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        safetensors.numpy.save_file(blob.tensors, str(dest / WEIGHTS_NAME), metadata={"format": "pt"})
+    (dest / CONFIG_NAME).write_text(json.dumps(blob.config, indent=2) + "\n", encoding="utf-8")
+    return dest
+
+
+def load_blob(name: str, uri: str, adapter_dir: str | Path,
+              expected_lora_modules: Iterable[str] = LLAMA_LORA_MODULES) -> AdapterBlob:
+    """Validate a fetched adapter directory with lora_core and read it into an AdapterBlob.
+
+    Raises lora_core's InvalidAdapterError subclass naming the file and field at fault.
+    """
+    adapter_dir = Path(adapter_dir)
+    LoRAModel.from_local_checkpoint(adapter_dir, expected_lora_modules)
+    config = json.loads((adapter_dir / CONFIG_NAME).read_text(encoding="utf-8"))
+    tensors: dict[str, np.ndarray] = {}
+    torch_dtypes: dict[str, str] = {}
+    for key, t in safetensors.torch.load_file(str(adapter_dir / WEIGHTS_NAME)).items():
+        if t.dtype in _RAW_BITS:
+            torch_dtypes[key] = str(t.dtype).removeprefix("torch.")
+            t = t.view(_RAW_BITS[t.dtype])
+        tensors[key] = t.numpy()
+    return AdapterBlob(name, uri, config, tensors, torch_dtypes)
+
+
+_RAW_BITS = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+
+
+def _from_numpy(a: np.ndarray, torch_dtype: str | None) -> torch.Tensor:
+    t = torch.from_numpy(np.array(a))  # a copy: object-store views are read-only
+    return t.view(getattr(torch, torch_dtype)) if torch_dtype else t
+
+
+@dataclass
+class TierMetrics:
+    """Plain counters; the Serve metrics exporter reads them."""
+
+    origin_fetches: int = 0
+    fetch_errors: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_cached: int = 0
+    adapters_cached: int = 0
+    # The latest fetch durations (origin download + validation), for a histogram.
+    fetch_latencies_s: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "fetch_latencies_s": list(self.fetch_latencies_s)}
+
+
+@dataclass
+class _Entry:
+    value: Any  # what pack() made of the blob
+    nbytes: int
+
+
+class AdapterTier:
+    """Registry + LRU-by-bytes cache of validated adapters, fetched once from their origins.
+
+    parse_uri(uri) -> source (with source.fetch(dest_dir) -> Path) is
+    cluster.sources.parse_adapter_uri bound to the deployment's settings.
+    pack turns a fetched AdapterBlob into what get() returns and the cache
+    holds (the actor passes ray.put); identity by default. registry_dir None
+    keeps the registry in memory only.
+    """
+
+    def __init__(self, parse_uri: Callable[[str], Any], *, capacity_bytes: int,
+                 registry_dir: str | Path | None = None, work_dir: str | Path | None = None,
+                 expected_lora_modules: Iterable[str] = LLAMA_LORA_MODULES,
+                 pack: Callable[[AdapterBlob], Any] = lambda blob: blob) -> None:
+        self._parse_uri = parse_uri
+        self.capacity_bytes = capacity_bytes
+        self._registry_path = Path(registry_dir) / REGISTRY_FILE if registry_dir is not None else None
+        self._work_dir = Path(work_dir) if work_dir is not None else None
+        self._expected = tuple(expected_lora_modules)
+        self._pack = pack
+        self._registry: dict[str, str] = self._load_registry()
+        self._cache: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
+        self._inflight: dict[str, tuple[str, asyncio.Future]] = {}
+        self.metrics = TierMetrics()
+
+    # ------------------------------------------------------------- registry
+
+    def register(self, name: str, uri: str) -> None:
+        """Register (or re-point) an adapter; raises BadAdapterSourceError for a bad uri, nothing read."""
+        self._parse_uri(uri)
+        if self._registry.get(name) == uri:
+            return
+        self._registry[name] = uri
+        self._drop(name)  # a cached copy came from the old uri
+        self._save_registry()
+
+    def unregister(self, name: str) -> None:
+        if name not in self._registry:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        del self._registry[name]
+        self._drop(name)
+        self._save_registry()
+
+    def registered(self) -> dict[str, str]:
+        return dict(self._registry)
+
+    async def load(self, name: str, uri: str) -> Any:
+        """Register and fetch at once (vLLM's load_lora_adapter): a broken adapter stays unregistered."""
+        previous = self._registry.get(name)
+        self.register(name, uri)
+        try:
+            return await self.get(name)
+        except Exception:
+            if self._registry.get(name) == uri:
+                if previous is None:
+                    self.unregister(name)
+                else:
+                    self.register(name, previous)
+            raise
+
+    def _load_registry(self) -> dict[str, str]:
+        if self._registry_path is None or not self._registry_path.is_file():
+            return {}
+        # A file we cannot read is an error, not an empty registry: serving on would forget adapters.
+        data = json.loads(self._registry_path.read_text(encoding="utf-8"))
+        return {str(k): str(v) for k, v in data["adapters"].items()}
+
+    def _save_registry(self) -> None:
+        if self._registry_path is None:
+            return
+        self._registry_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".adapters-", suffix=".json", dir=self._registry_path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"adapters": self._registry}, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._registry_path)  # atomic: a crash leaves the old file or the new one
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    # ---------------------------------------------------------------- cache
+
+    async def get(self, name: str) -> Any:
+        """The adapter (as packed), from the cache or fetched from its origin once.
+
+        Raises AdapterNotFoundError for an unregistered name, the source's typed
+        error when the origin fails, and lora_core's InvalidAdapterError when
+        the adapter is broken; a failure is not cached, so a later call retries.
+        """
+        uri = self._registry.get(name)
+        if uri is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        entry = self._cache.get(name)
+        if entry is not None:  # register() drops the copy of a re-pointed name, so it is this uri's
+            self._cache.move_to_end(name)
+            self.metrics.hits += 1
+            return entry.value
+        self.metrics.misses += 1
+        inflight = self._inflight.get(name)
+        if inflight is None or inflight[0] != uri:
+            inflight = (uri, asyncio.ensure_future(self._fetch(name, uri)))
+            self._inflight[name] = inflight
+        # shield: one caller giving up must not cancel the fetch the others wait on.
+        return await asyncio.shield(inflight[1])
+
+    async def _fetch(self, name: str, uri: str) -> Any:
+        start = time.perf_counter()
+        try:
+            self.metrics.origin_fetches += 1
+            blob, value = await asyncio.to_thread(self._fetch_blocking, name, uri)
+        except Exception:
+            self.metrics.fetch_errors += 1
+            raise
+        finally:
+            if self._inflight.get(name, (None,))[0] == uri:
+                del self._inflight[name]
+        seconds = time.perf_counter() - start
+        self.metrics.fetch_latencies_s.append(seconds)
+        logger.info("adapter %s fetched from %s: %d bytes in %.2fs", name, uri, blob.nbytes, seconds)
+        if self._registry.get(name) == uri:  # not unregistered or re-pointed meanwhile
+            self._insert(name, _Entry(value, blob.nbytes))
+        return value
+
+    def _fetch_blocking(self, name: str, uri: str) -> tuple[AdapterBlob, Any]:
+        source = self._parse_uri(uri)
+        with tempfile.TemporaryDirectory(prefix="lorafleet-adapter-", dir=self._work_dir) as tmp:
+            try:
+                adapter_dir = source.fetch(Path(tmp) / "adapter")
+            except OSError as exc:  # local disk or network trouble the source did not type itself
+                raise SourceUnavailableError(f"fetching adapter {name!r} from {uri} failed: {exc}") from exc
+            blob = load_blob(name, uri, adapter_dir, self._expected)
+        return blob, self._pack(blob)
+
+    def _insert(self, name: str, entry: _Entry) -> None:
+        self._drop(name)
+        if entry.nbytes > self.capacity_bytes:
+            logger.warning("adapter %s (%d bytes) exceeds the tier's capacity of %d bytes: served, not cached",
+                           name, entry.nbytes, self.capacity_bytes)
+            return
+        while self._cache and self.metrics.bytes_cached + entry.nbytes > self.capacity_bytes:
+            self._drop(next(iter(self._cache)))
+            self.metrics.evictions += 1
+        self._cache[name] = entry
+        self.metrics.bytes_cached += entry.nbytes
+        self.metrics.adapters_cached = len(self._cache)
+
+    def _drop(self, name: str) -> None:
+        entry = self._cache.pop(name, None)
+        if entry is not None:
+            self.metrics.bytes_cached -= entry.nbytes
+            self.metrics.adapters_cached = len(self._cache)
+
+    def cached(self) -> list[str]:
+        """Names in the cache, least recently used first."""
+        return list(self._cache)
+
+
+# lora_core's InvalidAdapterError takes (path, field, reason) but keeps only the message in args, so plain
+# pickling cannot rebuild it and a caller of the actor would lose the typed error. Registered here, not in
+# the actor's module: Ray ships the actor class by value, so only modules it references get imported.
+def _rebuild_invalid_adapter_error(cls: type, state: dict) -> lora_errors.InvalidAdapterError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, f"{state['path']}: {state['field']}: {state['reason']}"
+                       if state.get("field") is not None else f"{state['path']}: {state['reason']}")
+    exc.__dict__.update(state)
+    return exc
+
+
+def _reduce_invalid_adapter_error(exc: lora_errors.InvalidAdapterError):
+    return _rebuild_invalid_adapter_error, (type(exc), dict(exc.__dict__))
+
+
+def _register_error_reducers(cls: type) -> None:
+    copyreg.pickle(cls, _reduce_invalid_adapter_error)
+    for sub in cls.__subclasses__():
+        _register_error_reducers(sub)
+
+
+_register_error_reducers(lora_errors.InvalidAdapterError)

@@ -1,0 +1,36 @@
+"""build_app: the Serve application `serve run deploy/config.yaml` starts.
+
+args (all optional; see deploy/config.yaml):
+    server:   ServerConfig fields (model, served_model_name, engine: EngineArgs fields, ...)
+    tier:     adapter-tier actor settings (capacity_bytes, registry_dir, sources: SourceSettings fields)
+    replica:  Serve options of the engine deployment (num_replicas or autoscaling_config,
+              ray_actor_options, max_ongoing_requests, ...)
+    ingress:  Serve options of the HTTP deployment
+    api_keys: list of accepted API keys (off when empty)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from cluster.deployments import Ingress, LoRAReplica
+
+DEFAULT_TIER = dict(capacity_bytes=2 << 30, registry_dir=os.path.expanduser("~/.cache/lorafleet/registry"))
+
+
+def build_app(args: dict[str, Any] | None = None):
+    args = dict(args or {})
+    server = dict(args.get("server") or {"model": "demo"})
+    tier = {**DEFAULT_TIER, **(args.get("tier") or {})}
+    replica_options = dict(args.get("replica") or {})
+    router = RequestRouterConfig(
+        request_router_class="cluster.router.AdapterAffinityRouter",
+        request_routing_stats_period_s=float(replica_options.pop("routing_stats_period_s", 1.0)))
+    replica = serve.deployment(LoRAReplica, name="LoRAReplica").options(
+        request_router_config=router, **replica_options)
+    ingress = serve.deployment(Ingress, name="Ingress").options(**(args.get("ingress") or {}))
+    return ingress.bind(replica.bind(server, tier), server, tier, args.get("api_keys"))

@@ -1,0 +1,165 @@
+"""The Serve deployments: thin shells around LoRAServer (replicas) and the HTTP API (ingress).
+
+    Ingress (FastAPI, CPU) --handle--> LoRAReplica x N (GPU, AdapterAffinityRouter)
+                  \\___________ shared adapter-tier actor ___________/
+
+Python callers use the ingress handle:
+
+    handle = serve.get_app_handle("lorafleet")
+    out = await handle.generate.remote(prompt="Hi", adapter="demo-sql", max_tokens=16)
+    async for chunk in handle.options(stream=True).generate.remote(prompt="Hi", stream=True):
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from cluster.adapter_tier_actor import get_or_create_adapter_tier
+from cluster.api import build_api
+from cluster.server import GenerateRequest, LoRAServer, ServerConfig
+from cluster.sources import SourceSettings
+from cluster.tier_catalog import TierCatalog
+
+
+def _tier(tier_config: dict[str, Any], server: dict[str, Any]):
+    """The shared adapter-tier actor (created by whichever deployment asks first)."""
+    config = dict(tier_config)
+    sources = dict(config.pop("sources", {}))
+    roots = [os.path.abspath(os.path.expanduser(p)) for p in sources.get("allowed_local_roots", [])]
+    if server.get("model", "demo") == "demo":  # the demo adapters are local directories in the cache
+        from replicas.demo_checkpoint import ensure_demo_checkpoint
+
+        roots.append(str(Path(next(iter(ensure_demo_checkpoint().adapters.values()))).parent))
+    sources["allowed_local_roots"] = roots
+    if config.get("registry_dir"):
+        config["registry_dir"] = os.path.expanduser(config["registry_dir"])
+    return get_or_create_adapter_tier(source_settings=SourceSettings(**sources), **config)
+
+
+class LoRAReplica:
+    """One engine replica; `record_routing_stats` feeds the adapter-affinity router."""
+
+    def __init__(self, server: dict[str, Any], tier: dict[str, Any]) -> None:
+        self.server = LoRAServer(ServerConfig(**server), TierCatalog(_tier(tier, server)))
+        self._started = asyncio.Lock()
+        self._ready = False
+
+    async def _start(self) -> None:
+        async with self._started:
+            if not self._ready:
+                await self.server.start()
+                self._ready = True
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        await self._start()
+        async for out in self.server.generate(request):
+            yield asdict(out)
+
+    async def models(self) -> list[dict]:
+        await self._start()
+        return await self.server.models()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        if self._ready:
+            await self.server.sync_registry()  # drop adapters unloaded cluster-wide
+        stats = self.server.routing_stats()
+        stats["base_model"] = self.server.model_name
+        return stats
+
+    async def check_health(self) -> None:
+        if not self.server.engine.is_running:
+            raise RuntimeError("the engine stopped")
+
+    async def __del__(self) -> None:  # Serve calls this when the replica shuts down
+        await self.server.shutdown()
+
+
+class _ReplicaBackend:
+    """What cluster.api needs, over a handle to the replica deployment."""
+
+    def __init__(self, replicas, catalog: TierCatalog, model_name: str, default_max_tokens: int) -> None:
+        self.replicas, self.catalog = replicas, catalog
+        self.model_name, self.default_max_tokens = model_name, default_max_tokens
+        self._decode = None
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
+        from replicas.outputs import CompletionOutput, RequestOutput
+
+        async for item in self.replicas.options(stream=True).generate.remote(request):
+            outputs = [CompletionOutput(**c) for c in item["outputs"]]
+            yield RequestOutput(**{**item, "outputs": outputs})
+
+    async def models(self) -> list[dict]:
+        return await self.replicas.models.remote()
+
+    async def load_adapter(self, name: str, uri: str) -> None:
+        if name == self.model_name:
+            from replicas.errors import InvalidRequestError
+
+            raise InvalidRequestError([("lora_name", f"{name!r} is the base model's name")])
+        await self.catalog.register(name, uri)  # fetched and validated once, for every replica
+
+    async def unload_adapter(self, name: str) -> None:
+        from cluster.errors import AdapterNotFoundError
+
+        if await self.catalog.lookup(name) is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        await self.catalog.unregister(name)
+
+    def decode_token(self, token_id: int) -> str:
+        if self._decode is None:
+            from replicas.tokenizer import Tokenizer
+
+            self._decode = Tokenizer.from_pretrained(self.model_dir)
+        return self._decode.decode([token_id], skip_special_tokens=False)
+
+
+@serve.ingress()
+class Ingress:
+    """HTTP + Python-handle entry point."""
+
+    def __init__(self, replicas, server: dict[str, Any], tier: dict[str, Any],
+                 api_keys: list[str] | None = None) -> None:
+        config = ServerConfig(**server)
+        self.catalog = TierCatalog(_tier(tier, server))
+        model_name = config.served_model_name or ("lorafleet-demo" if config.model == "demo" else
+                                                  config.model.rstrip("/").rsplit("/", 1)[-1])
+        self.backend = _ReplicaBackend(replicas, self.catalog, model_name, config.default_max_tokens)
+        if config.model == "demo":
+            from replicas.demo_checkpoint import ensure_demo_checkpoint
+
+            self.backend.model_dir = str(ensure_demo_checkpoint().model_dir)
+        else:
+            self.backend.model_dir = config.model
+        self.api_keys = api_keys
+
+    def __serve_build_asgi_app__(self):
+        return build_api(self.backend, self.api_keys, extra_metrics=self.catalog.metrics_text)
+
+    async def generate(self, prompt: str | list[int] | None = None, adapter: str | None = None,
+                       messages: list[dict] | None = None, stream: bool = False, **sampling: Any):
+        """Python handle API: the final output as a dict, or (stream=True) an async iterator of them."""
+        model = adapter or self.backend.model_name
+        sampling.setdefault("max_tokens", self.backend.default_max_tokens)
+        if isinstance(prompt, list):
+            prompt = {"prompt_token_ids": prompt}
+        request = GenerateRequest(model, sampling, prompt=prompt, messages=messages)
+        outputs = self.backend.replicas.options(stream=True).generate.remote(request)
+        if stream:
+            return _relay(outputs)
+        last = None
+        async for item in outputs:
+            last = item
+        return last
+
+
+async def _relay(outputs) -> AsyncIterator[dict]:
+    async for item in outputs:
+        yield item

@@ -1,0 +1,54 @@
+"""TierCatalog: the AdapterCatalog of a Serve replica or ingress, backed by the shared adapter-tier actor.
+
+Registering asks the tier to fetch and validate the adapter once for the
+whole cluster; a replica that needs it reads the tensors from the object
+store (zero-copy on the same node) and writes them to a local directory for
+its engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from cluster.adapter_tier import materialize
+from cluster.adapter_tier_actor import get_adapter
+
+
+class TierCatalog:
+    def __init__(self, tier: Any, cache_dir: str | Path | None = None) -> None:
+        self.tier = tier
+        self.cache_dir = Path(cache_dir or tempfile.mkdtemp(prefix="lorafleet-replica-adapters-"))
+
+    async def register(self, name: str, uri: str) -> None:
+        await self.tier.load.remote(name, uri)
+
+    async def unregister(self, name: str) -> None:
+        await self.tier.unregister.remote(name)
+
+    async def lookup(self, name: str) -> str | None:
+        return (await self.tier.registered.remote()).get(name)
+
+    async def registered(self) -> dict[str, str]:
+        return await self.tier.registered.remote()
+
+    async def local_path(self, name: str) -> Path:
+        blob = await get_adapter(self.tier, name)
+        digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+        dest = self.cache_dir / digest
+        if dest.exists():  # a previous load of this name: replace it with the tier's current copy
+            import shutil
+
+            shutil.rmtree(dest)
+        return materialize(blob, dest)
+
+    async def metrics_text(self) -> str:
+        """The tier's counters in Prometheus text format."""
+        stats = await self.tier.metrics.remote()
+        lines = []
+        for key, value in sorted(stats.items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                lines.append(f"# TYPE lorafleet_adapter_tier_{key} gauge\nlorafleet_adapter_tier_{key} {value}")
+        return "\n".join(lines) + ("\n" if lines else "")
