@@ -11,7 +11,6 @@ through ``pack``.
 from __future__ import annotations
 
 import asyncio
-import copyreg
 import json
 import logging
 import os
@@ -284,27 +283,3 @@ class AdapterTier:
     def cached(self) -> list[str]:
         """Names in the cache, least recently used first."""
         return list(self._cache)
-
-
-# lora_core's InvalidAdapterError takes (path, field, reason) but keeps only the message in args, so plain
-# pickling cannot rebuild it and a caller of the actor would lose the typed error. Registered here, not in
-# the actor's module: Ray ships the actor class by value, so only modules it references get imported.
-def _rebuild_invalid_adapter_error(cls: type, state: dict) -> lora_errors.InvalidAdapterError:
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, f"{state['path']}: {state['field']}: {state['reason']}"
-                       if state.get("field") is not None else f"{state['path']}: {state['reason']}")
-    exc.__dict__.update(state)
-    return exc
-
-
-def _reduce_invalid_adapter_error(exc: lora_errors.InvalidAdapterError):
-    return _rebuild_invalid_adapter_error, (type(exc), dict(exc.__dict__))
-
-
-def _register_error_reducers(cls: type) -> None:
-    copyreg.pickle(cls, _reduce_invalid_adapter_error)
-    for sub in cls.__subclasses__():
-        _register_error_reducers(sub)
-
-
-_register_error_reducers(lora_errors.InvalidAdapterError)

@@ -27,15 +27,12 @@ accepted request except under Ray Client), and in `decisions` for this router.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, List, Optional
 
 from ray.serve import metrics
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.routing import AdapterAffinityPolicy, InflightTracker, ReplicaStats, adapter_of
-
-logger = logging.getLogger("ray.serve")
 
 
 class AdapterAffinityRouter(RequestRouter):
@@ -110,5 +107,6 @@ class AdapterAffinityRouter(RequestRouter):
 
     @property
     def decisions(self) -> dict[str, int]:
-        """Decision counts by kind since this router started (the metric holds the same, cluster-wide)."""
+        """Decision counts by kind since this router started, fixed up when Serve sends a request elsewhere
+        (a request a replica rejects is chosen, and counted, again)."""
         return dict(self.policy.decisions)

@@ -127,7 +127,7 @@ class AdapterAffinityPolicy:
         return replica.queue_len >= self.busy_threshold(replica)
 
     def pending_replicas(self, adapter: str) -> set[ReplicaKey]:
-        """Replicas recently sent `adapter` (spread or cold) whose memory has not expired."""
+        """Replicas recently sent `adapter` without their stats showing it (cold, spread) and not expired."""
         self._expire()
         return set(self._pending.get(adapter, ()))
 

@@ -30,6 +30,10 @@ class InvalidAdapterError(LoRAError, ValueError):
         where = self.path if field is None else f"{self.path}: {field}"
         super().__init__(f"{where}: {reason}")
 
+    def __reduce__(self):
+        # Rebuilt from the constructor's arguments, so the typed error survives pickling (e.g. across Ray).
+        return (type(self), (self.path, self.field, self.reason))
+
 
 class AdapterFileMissingError(InvalidAdapterError):
     """adapter_config.json or the weights file is absent."""
@@ -70,6 +74,9 @@ class MultipleAdapterProblems(InvalidAdapterError):
         self.problems = problems
         lines = "; ".join(str(p) for p in problems)
         super().__init__(path, None, f"{len(problems)} problems: {lines}")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.problems))
 
 
 class UnknownLoRAError(LoRAError, KeyError):
