@@ -1,5 +1,5 @@
 # Two entry points, both working on a fresh machine with no GPU:
-#   make demo   -- the embedded demo (lands with the cluster issue)
+#   make demo   -- the embedded demo: `serve run deploy/config.yaml` on http://127.0.0.1:8000
 #   make test   -- install everything into .venv and run the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,4 +22,4 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: $(VENV)/.installed
-	$(PY) -m lora_core.demo
+	$(VENV)/bin/serve run deploy/config.yaml

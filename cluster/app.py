@@ -22,11 +22,28 @@ from cluster.deployments import Ingress, LoRAReplica
 DEFAULT_TIER = dict(capacity_bytes=2 << 30, registry_dir=os.path.expanduser("~/.cache/lorafleet/registry"))
 
 
+def tensor_parallel_options(server: dict[str, Any], replica_options: dict[str, Any]) -> None:
+    """TP > 1: ranks 1.. run as Ray actors in the replica's placement group, one bundle per rank."""
+    engine = server.setdefault("engine", {})
+    tp = int(engine.get("tensor_parallel_size", 1))
+    if tp <= 1:
+        return
+    engine.setdefault("distributed_executor_backend", "cluster.ray_executor:RayExecutor")
+    if "placement_group_bundles" not in replica_options:
+        actor = replica_options.get("ray_actor_options", {})
+        unit = {"CPU": float(actor.get("num_cpus", 1))}
+        if actor.get("num_gpus"):
+            unit["GPU"] = float(actor["num_gpus"])
+        replica_options["placement_group_bundles"] = [dict(unit) for _ in range(tp)]
+        replica_options.setdefault("placement_group_strategy", "STRICT_PACK")
+
+
 def build_app(args: dict[str, Any] | None = None):
     args = dict(args or {})
     server = dict(args.get("server") or {"model": "demo"})
     tier = {**DEFAULT_TIER, **(args.get("tier") or {})}
     replica_options = dict(args.get("replica") or {})
+    tensor_parallel_options(server, replica_options)
     router = RequestRouterConfig(
         request_router_class="cluster.router.AdapterAffinityRouter",
         request_routing_stats_period_s=float(replica_options.pop("routing_stats_period_s", 1.0)))

@@ -48,6 +48,7 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     load_format: str = "auto"  # "dummy": random weights (benchmarks)
+    distributed_executor_backend: str | None = None  # "mp" (default) or "module:Class", e.g. the Ray executor
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -77,7 +78,7 @@ class LLMEngine:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, lora_config=self.lora_config,
                                   load_format=args.load_format)
-        self.executor = make_executor(runner_cfg, args.tensor_parallel_size)
+        self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
         mc = self.executor.model_config
         self.model_config = mc
         self.max_model_len = min(args.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

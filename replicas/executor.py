@@ -9,6 +9,7 @@ cluster package adds a Ray executor with the same interface.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import traceback
 from typing import Any
@@ -120,5 +121,10 @@ class MultiprocExecutor:
         destroy_distributed()
 
 
-def make_executor(cfg: RunnerConfig, tp_size: int):
+def make_executor(cfg: RunnerConfig, tp_size: int, backend: str | None = None):
+    """backend: None/"mp" (worker processes), or "module:Class" of another executor with the same
+    interface, constructed as Class(cfg, tp_size) — e.g. the Ray executor in cluster/."""
+    if backend not in (None, "mp"):
+        module, _, name = backend.partition(":")
+        return getattr(importlib.import_module(module), name)(cfg, tp_size)
     return UniProcExecutor(cfg) if tp_size == 1 else MultiprocExecutor(cfg, tp_size)

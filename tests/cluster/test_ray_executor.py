@@ -1,0 +1,50 @@
+"""Tensor parallelism with ranks as Ray actors (gloo on CPU) equals TP=1."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from lora_core.request import LoRARequest
+from replicas.demo_checkpoint import ensure_demo_checkpoint
+from replicas.llm import LLM
+from replicas.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["replicated", "fully_sharded"])
+def test_ray_tp2_equals_tp1(demo, fully_sharded):
+    loras = [None] + [LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(sorted(demo.adapters.items()))]
+    prompts = ["The quick brown fox", "Once upon a time", "SELECT", "Hello world", "Tell me"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    common = dict(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=32,
+                  fully_sharded_loras=fully_sharded)
+    want = LLM(str(demo.model_dir), **common).generate(prompts, params, loras)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        llm = LLM(str(demo.model_dir), tensor_parallel_size=2,
+                  distributed_executor_backend="cluster.ray_executor:RayExecutor", **common)
+        got = llm.generate(prompts, params, loras)
+        llm.shutdown()
+    finally:
+        ray.shutdown()
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+
+
+def test_app_gives_each_rank_a_bundle():
+    from cluster.app import tensor_parallel_options
+
+    server = {"model": "/models/x", "engine": {"tensor_parallel_size": 2}}
+    options = {"ray_actor_options": {"num_cpus": 2, "num_gpus": 1}}
+    tensor_parallel_options(server, options)
+    assert options["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert server["engine"]["distributed_executor_backend"] == "cluster.ray_executor:RayExecutor"
+    single = {"model": "demo", "engine": {}}
+    untouched: dict = {}
+    tensor_parallel_options(single, untouched)
+    assert untouched == {} and "distributed_executor_backend" not in single["engine"]
