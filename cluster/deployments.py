@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ray import serve
+from ray.serve import metrics
 
 from cluster.adapter_tier_actor import get_or_create_adapter_tier
 from cluster.api import build_api
@@ -50,6 +51,14 @@ class LoRAReplica:
         self.server = LoRAServer(ServerConfig(**server), TierCatalog(_tier(tier, server)))
         self._started = asyncio.Lock()
         self._ready = False
+        # Serve's metrics (exported through Ray's Prometheus endpoint), fed from the server's counters.
+        self._hits = metrics.Counter("lorafleet_adapter_hits", "Adapter requests by the tier that held the adapter",
+                                     tag_keys=("tier",))
+        self._load_seconds = metrics.Histogram("lorafleet_adapter_load_seconds",
+                                               "Seconds to bring an adapter from the cluster tier into the engine",
+                                               boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30])
+        self._reported: dict[str, int] = {}
+        self._reported_loads = 0
 
     async def _start(self) -> None:
         async with self._started:
@@ -61,6 +70,17 @@ class LoRAReplica:
         await self._start()
         async for out in self.server.generate(request):
             yield asdict(out)
+        self._export_metrics()
+
+    def _export_metrics(self) -> None:
+        for tier, count in self.server.adapter_events.items():
+            delta = count - self._reported.get(tier, 0)
+            if delta:
+                self._hits.inc(delta, tags={"tier": tier})
+                self._reported[tier] = count
+        for seconds in self.server.load_latencies[self._reported_loads:]:
+            self._load_seconds.observe(seconds)
+        self._reported_loads = len(self.server.load_latencies)
 
     async def models(self) -> list[dict]:
         await self._start()
@@ -123,7 +143,7 @@ class _ReplicaBackend:
 
 @serve.ingress()
 class Ingress:
-    """HTTP + Python-handle entry point."""
+    """HTTP + Python-handle + gRPC entry point."""
 
     def __init__(self, replicas, server: dict[str, Any], tier: dict[str, Any],
                  api_keys: list[str] | None = None) -> None:
@@ -158,6 +178,20 @@ class Ingress:
         async for item in outputs:
             last = item
         return last
+
+    # gRPC (cluster/proto/lorafleet.proto): Serve's gRPC proxy calls the methods named after the RPCs.
+    async def Generate(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
+        """LoRAFleet.Generate (server streaming): GenerateResponse chunks; errors become gRPC status codes."""
+        from cluster.grpc_ingress import generate_stream
+
+        async for chunk in generate_stream(self.backend, request, grpc_context, self.api_keys):
+            yield chunk
+
+    async def ListAdapters(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
+        """LoRAFleet.ListAdapters (unary): the base model and every registered adapter."""
+        from cluster.grpc_ingress import list_adapters
+
+        return await list_adapters(self.backend, grpc_context, self.api_keys)
 
 
 async def _relay(outputs) -> AsyncIterator[dict]:

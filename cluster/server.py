@@ -9,6 +9,7 @@ adapter tier, or a local one in tests) and added to the engine on demand.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import time
@@ -23,6 +24,9 @@ from lora_core.request import LoRARequest
 from replicas.async_engine import AsyncLLMEngine
 from replicas.engine import EngineArgs
 from replicas.outputs import RequestOutput
+
+
+ADAPTER_GPU_HIT, ADAPTER_HOST_HIT, ADAPTER_TIER_LOAD = "gpu", "host", "object_store"
 
 
 class AdapterCatalog(Protocol):
@@ -81,6 +85,9 @@ class LoRAServer:
         self._loaded: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
         self._inflight = 0
+        # Where each adapter request found its adapter (the tier itself counts origin fetches).
+        self.adapter_events: collections.Counter[str] = collections.Counter()
+        self.load_latencies: list[float] = []  # seconds to bring an adapter from the tier into the engine
 
     async def start(self) -> None:
         """Register the demo and configured adapters in the catalog (idempotent across replicas)."""
@@ -109,14 +116,20 @@ class LoRAServer:
 
     async def _ensure_loaded(self, name: str) -> LoRARequest:
         request = self._loaded.get(name)
-        if request is None:
-            if await self.catalog.lookup(name) is None:
-                raise AdapterNotFoundError(f"model {name!r} does not exist: not the base model "
-                                           f"({self.model_name!r}) nor a registered adapter")
-            path = await self.catalog.local_path(name)
-            request = LoRARequest(name, next(self._ids), str(path))
-            await self.engine.add_lora(request)
-            self._loaded[name] = request
+        if request is not None:
+            gpu = name in self.routing_stats()["gpu_adapters"]
+            self.adapter_events[ADAPTER_GPU_HIT if gpu else ADAPTER_HOST_HIT] += 1
+            return request
+        if await self.catalog.lookup(name) is None:
+            raise AdapterNotFoundError(f"model {name!r} does not exist: not the base model "
+                                       f"({self.model_name!r}) nor a registered adapter")
+        start = time.monotonic()
+        path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
+        request = LoRARequest(name, next(self._ids), str(path))
+        await self.engine.add_lora(request)
+        self._loaded[name] = request
+        self.adapter_events[ADAPTER_TIER_LOAD] += 1
+        self.load_latencies.append(time.monotonic() - start)
         return request
 
     async def sync_registry(self) -> None:

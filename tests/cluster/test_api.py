@@ -167,3 +167,17 @@ def test_health_metrics_and_api_keys(stack):
     assert 'lorafleet_requests_total{route="/v1/models",status="401"} 2.0' in text
     assert "lorafleet_time_to_first_token_seconds_count" in text
     assert 'lorafleet_generated_tokens_total{model="lorafleet-demo"} 3.0' in text
+
+
+def test_adapter_requests_count_where_the_adapter_was(stack):
+    server = stack[2]
+    before = dict(server.adapter_events)
+
+    async def go(c):
+        for _ in range(2):
+            await c.completions.create(model="demo-summarize", prompt="hi", max_tokens=2)
+
+    run(stack, go)
+    delta = {k: server.adapter_events[k] - before.get(k, 0) for k in ("gpu", "host", "object_store")}
+    # first request: brought in from the catalog; second: found in a GPU slot
+    assert delta == {"gpu": 1, "host": 0, "object_store": 1}
