@@ -6,7 +6,13 @@ args (all optional; see deploy/config.yaml):
     replica:  Serve options of the engine deployment (num_replicas or autoscaling_config,
               ray_actor_options, max_ongoing_requests, ...)
     ingress:  Serve options of the HTTP deployment
-    api_keys: list of accepted API keys (off when empty)
+    api_keys: list of accepted API keys (off when empty; gRPC callers send `authorization: Bearer <key>` metadata)
+
+gRPC: the ingress also serves cluster/proto/lorafleet.proto (LoRAFleet.Generate, LoRAFleet.ListAdapters) once
+Serve's gRPC proxy knows the servicer, e.g. `serve.start(grpc_options={"port": 9000,
+"grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})` or, in a Serve config file,
+`grpc_options: {port: 9000, grpc_servicer_functions: ["cluster.proto.lorafleet_pb2_grpc.add_LoRAFleetServicer_to_server"]}`.
+Clients pick the app with the `application` metadata key.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.deployments import Ingress, LoRAReplica
+from cluster.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+
+__all__ = ["build_app", "GRPC_SERVICER_FUNCTIONS"]
 
 DEFAULT_TIER = dict(capacity_bytes=2 << 30, registry_dir=os.path.expanduser("~/.cache/lorafleet/registry"))
 

@@ -41,6 +41,9 @@ def _tier(tier_config: dict[str, Any], server: dict[str, Any]):
     sources["allowed_local_roots"] = roots
     if config.get("registry_dir"):
         config["registry_dir"] = os.path.expanduser(config["registry_dir"])
+    # Detached: an actor's non-detached child dies with it, so the tier would die for good with the
+    # replica that happened to create it (killed, or scaled down), taking every replica's handle along.
+    config.setdefault("detached", True)
     return get_or_create_adapter_tier(source_settings=SourceSettings(**sources), **config)
 
 

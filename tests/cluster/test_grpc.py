@@ -1,0 +1,173 @@
+"""The gRPC ingress (cluster/proto/lorafleet.proto) on real Ray Serve, called with a real grpc client through
+Serve's gRPC proxy on a free loopback port; plus the proto <-> request conversion and status mapping alone."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+from cluster.errors import AdapterNotFoundError, AuthenticationError, SourceUnavailableError
+from cluster.grpc_ingress import check_api_key, grpc_status, request_from_proto
+from cluster.proto import lorafleet_pb2 as pb
+from cluster.proto import lorafleet_pb2_grpc as pb_grpc
+from replicas.errors import EngineDeadError, InvalidRequestError
+from tests.cluster.conftest import free_ports
+
+APP = "lorafleet-grpc"
+META = (("application", APP),)
+PROMPT = "The quick brown fox"
+START_TIMEOUT_S = 180
+
+
+class Cluster:
+    def __init__(self, http: str, stub: pb_grpc.LoRAFleetStub) -> None:
+        self.http, self.stub = http, stub
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    registry = tmp_path_factory.mktemp("registry")
+    http_port, grpc_port = free_ports(2)
+    env = {"LORAFLEET_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, namespace="lorafleet-grpc-test")
+    mp = pytest.MonkeyPatch()
+    for k, v in env.items():
+        mp.setenv(k, v)
+    channel = None
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+        args = {
+            "server": {"model": "demo", "default_max_tokens": 8,
+                       "engine": {"dtype": "float32", "max_loras": 2, "max_lora_rank": 32, "num_kv_blocks": 128}},
+            "tier": {"capacity_bytes": 1 << 28, "registry_dir": str(registry)},
+            "replica": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}, "routing_stats_period_s": 0.5},
+            "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
+        }
+        serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = pb_grpc.LoRAFleetStub(channel)
+        deadline, last = time.monotonic() + START_TIMEOUT_S, None
+        while True:  # up once ListAdapters answers through the proxy (the app deployed, the replica started)
+            try:
+                if any(a.name == "demo-sql" for a in stub.ListAdapters(pb.ListAdaptersRequest(), metadata=META,
+                                                                         timeout=10).adapters):
+                    break
+            except grpc.RpcError as exc:
+                last = exc
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gRPC ingress did not come up in {START_TIMEOUT_S} s: {last}")
+            time.sleep(0.5)
+        yield Cluster(f"http://127.0.0.1:{http_port}", stub)
+    finally:
+        if channel is not None:
+            channel.close()
+        serve.shutdown()
+        ray.shutdown()
+        mp.undo()
+
+
+def _stream(stub, **fields) -> list[pb.GenerateResponse]:
+    return list(stub.Generate(pb.GenerateRequest(**fields), metadata=META, timeout=120))
+
+
+def test_list_adapters(cluster):
+    out = cluster.stub.ListAdapters(pb.ListAdaptersRequest(), metadata=META, timeout=30)
+    assert out.base_model == "lorafleet-demo"
+    assert out.adapters[0].name == "lorafleet-demo" and out.adapters[0].parent == ""
+    by_name = {a.name: a for a in out.adapters}
+    assert {"demo-sql", "demo-chat"} <= set(by_name)
+    assert by_name["demo-sql"].parent == "lorafleet-demo" and by_name["demo-sql"].source
+
+
+@pytest.mark.parametrize("adapter", ["", "demo-sql"])
+def test_generate_streams_the_same_text_as_http_and_the_handle(cluster, adapter):
+    chunks = _stream(cluster.stub, prompt=PROMPT, adapter=adapter, max_tokens=6, temperature=0.0)
+    assert len(chunks) >= 2  # streamed, not one final message
+    text = "".join(c.text for c in chunks)
+    token_ids = [t for c in chunks for t in c.token_ids]
+    assert len(token_ids) == 6 and chunks[-1].completion_tokens == 6 and chunks[-1].prompt_tokens > 0
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason == "" for c in chunks[:-1])
+
+    handle = serve.get_app_handle(APP)
+    want = handle.generate.remote(prompt=PROMPT, adapter=adapter or None, max_tokens=6,
+                                  temperature=0).result(timeout_s=120)
+    assert text == want["outputs"][0]["text"] and token_ids == want["outputs"][0]["token_ids"]
+    r = httpx.post(f"{cluster.http}/v1/completions", timeout=120,
+                   json={"model": adapter or "lorafleet-demo", "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text
+
+
+def test_generate_chat_and_prompt_token_ids(cluster):
+    chat = _stream(cluster.stub, messages=[pb.ChatMessage(role="user", content="hi")], adapter="demo-chat",
+                   max_tokens=4, temperature=0.0)
+    assert sum(len(c.token_ids) for c in chat) == 4 and chat[-1].finish_reason == "length"
+    want = serve.get_app_handle(APP).generate.remote(prompt=PROMPT, max_tokens=3, temperature=0).result(timeout_s=120)
+    by_ids = _stream(cluster.stub, prompt_token_ids=want["prompt_token_ids"], max_tokens=3, temperature=0.0)
+    assert [t for c in by_ids for t in c.token_ids] == want["outputs"][0]["token_ids"]
+
+
+def test_errors_become_status_codes(cluster):
+    with pytest.raises(grpc.RpcError) as err:
+        _stream(cluster.stub, prompt="hi", adapter="no-such-adapter", max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-adapter" in err.value.details()
+    assert "Traceback" not in err.value.details()  # the domain error's message, not a Ray task traceback
+    with pytest.raises(grpc.RpcError) as err:
+        _stream(cluster.stub, prompt="hi", max_tokens=2, temperature=-3.0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        _stream(cluster.stub, max_tokens=2)  # no prompt at all
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.value.details()
+    # the service keeps serving after the failures
+    assert "".join(c.text for c in _stream(cluster.stub, prompt="hi", max_tokens=2, temperature=0.0))
+
+
+# ---- without Ray ---------------------------------------------------------------------------------
+
+
+def test_request_from_proto():
+    req = request_from_proto(pb.GenerateRequest(prompt="hi", adapter="a", temperature=0.0, stop=["\n"], seed=3),
+                             "base", 16)
+    assert req.model == "a" and req.prompt == "hi" and req.messages is None
+    assert req.sampling == {"max_tokens": 16, "temperature": 0.0, "seed": 3, "stop": ["\n"]}  # unset stays unset
+    req = request_from_proto(pb.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=4, request_id="r1"), "base", 16)
+    assert req.model == "base" and req.prompt == {"prompt_token_ids": [1, 2]} and req.request_id == "r1"
+    assert req.sampling == {"max_tokens": 4}
+    req = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")]), "base", 16)
+    assert req.messages == [{"role": "user", "content": "x"}] and req.prompt is None
+    for bad, field in [(pb.GenerateRequest(), "prompt"), (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt"),
+                       (pb.GenerateRequest(prompt="a", max_tokens=0), "max_tokens"),
+                       (pb.GenerateRequest(messages=[pb.ChatMessage(role="robot", content="x")]), "messages[0].role")]:
+        with pytest.raises(InvalidRequestError) as err:
+            request_from_proto(bad, "base", 16)
+        assert field in err.value.fields
+
+
+def test_status_mapping_and_api_keys():
+    assert grpc_status(AdapterNotFoundError("x"))[0] == grpc.StatusCode.NOT_FOUND
+    assert grpc_status(InvalidRequestError([("temperature", "bad")]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_status(SourceUnavailableError("s3 down"))[0] == grpc.StatusCode.UNAVAILABLE
+    assert grpc_status(EngineDeadError("dead"))[0] == grpc.StatusCode.UNAVAILABLE
+    assert grpc_status(AuthenticationError("no"))[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert grpc_status(RuntimeError("boom"))[0] == grpc.StatusCode.INTERNAL
+
+    class Context:
+        def __init__(self, metadata):
+            self.metadata = metadata
+
+        def invocation_metadata(self):
+            return self.metadata
+
+    check_api_key(Context([]), None)  # keys off
+    check_api_key(Context([("authorization", "Bearer k1")]), ["k0", "k1"])
+    for metadata in ([], [("authorization", "Bearer nope")], [("authorization", "k1")]):
+        with pytest.raises(AuthenticationError):
+            check_api_key(Context(metadata), ["k1"])
