@@ -1,0 +1,96 @@
+"""deploy/: every YAML parses, the Serve configs validate against Ray Serve's schema, and the cluster-launcher
+YAML against the Ray autoscaler's. Fast: no Ray cluster is started."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+SERVE_CONFIGS = ["config.yaml", "config.gpu.yaml"]
+
+
+def _load(name: str):
+    return yaml.safe_load((DEPLOY / name).read_text(encoding="utf-8"))
+
+
+def _serve_schema(config: dict):
+    from ray.serve.schema import ServeDeploySchema
+
+    with warnings.catch_warnings():  # parse_obj is pydantic v1's name; the brief and `serve deploy` use it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ServeDeploySchema.parse_obj(config)
+
+
+def _rayservice_serve_config() -> dict:
+    manifest = _load("kuberay-rayservice.yaml")
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayService"
+    assert isinstance(manifest["spec"]["serveConfigV2"], str)  # KubeRay takes the Serve config as a string
+    return yaml.safe_load(manifest["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DEPLOY.glob("*.yaml")))
+def test_yaml_parses(name):
+    assert isinstance(_load(name), dict)
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_serve_config_validates(name):
+    schema = _serve_schema(_load(name))
+    assert [app.name for app in schema.applications] == ["lorafleet"]
+    assert schema.applications[0].import_path == "cluster.app:build_app"
+
+
+def test_rayservice_serve_config_validates():
+    schema = _serve_schema(_rayservice_serve_config())
+    assert [app.name for app in schema.applications] == ["lorafleet"]
+
+
+def test_rayservice_embeds_the_gpu_config():
+    assert _rayservice_serve_config() == _load("config.gpu.yaml")
+
+
+def test_rayservice_cluster_autoscales():
+    cluster = _load("kuberay-rayservice.yaml")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    (gpu,) = cluster["workerGroupSpecs"]
+    assert 0 <= gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"]
+    (container,) = gpu["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_cluster_launcher_validates():
+    import jsonschema
+    import ray.autoscaler
+
+    config = _load("cluster-launcher.yaml")
+    schema_path = os.path.join(os.path.dirname(ray.autoscaler.__file__), "ray-schema.json")
+    with open(schema_path, encoding="utf-8") as f:
+        jsonschema.validate(config, json.load(f))
+    # The checks ray.autoscaler's validate_config adds to the schema.
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    assert sum(t.get("min_workers", 0) for t in types.values()) <= config["max_workers"]
+    assert any("serve deploy" in cmd and "deploy/config.gpu.yaml" in cmd for cmd in config["head_start_ray_commands"])
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_app_args_match_the_code(name):
+    """The args name real fields: build_app takes them (Serve options), and ServerConfig, EngineArgs and
+    SourceSettings accept theirs. Builds the application graph only; nothing starts."""
+    from cluster.app import build_app
+    from cluster.server import ServerConfig
+    from cluster.sources import SourceSettings
+
+    args = _load(name)["applications"][0]["args"]
+    build_app(args)
+    ServerConfig(**args["server"]).engine_args("/models/any")
+    sources = dict(args["tier"].get("sources") or {})
+    sources["allowed_local_roots"] = [os.path.expanduser(r) for r in sources.get("allowed_local_roots", [])]
+    SourceSettings(**sources)
+    assert set(args) <= {"server", "tier", "replica", "ingress", "api_keys"}
