@@ -55,6 +55,7 @@ def build_app(args: dict[str, Any] | None = None):
     tensor_parallel_options(server, replica_options)
     router = RequestRouterConfig(
         request_router_class="cluster.router.AdapterAffinityRouter",
+        request_router_kwargs=dict(replica_options.pop("router", {})),  # busy_fraction, pending_ttl_s, ...
         request_routing_stats_period_s=float(replica_options.pop("routing_stats_period_s", 1.0)))
     replica = serve.deployment(LoRAReplica, name="LoRAReplica").options(
         request_router_config=router, **replica_options)

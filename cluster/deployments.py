@@ -22,11 +22,12 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve import metrics
 
-from cluster.adapter_tier_actor import get_or_create_adapter_tier
+from cluster.adapter_tier_actor import get_adapter, get_or_create_adapter_tier
 from cluster.api import build_api
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
 from cluster.tier_catalog import TierCatalog
+from lora_core.peft_helper import PEFTHelper
 
 
 def _tier(tier_config: dict[str, Any], server: dict[str, Any]):
@@ -128,6 +129,12 @@ class _ReplicaBackend:
 
             raise InvalidRequestError([("lora_name", f"{name!r} is the base model's name")])
         await self.catalog.register(name, uri)  # fetched and validated once, for every replica
+        try:  # and it must fit this deployment's engines, or its first request would fail instead
+            blob = await get_adapter(self.catalog.tier, name)
+            PEFTHelper.from_dict(blob.config, f"{uri}/adapter_config.json").validate_legal(self.lora_config)
+        except Exception:
+            await self.catalog.unregister(name)
+            raise
 
     async def unload_adapter(self, name: str) -> None:
         from cluster.errors import AdapterNotFoundError
@@ -155,6 +162,7 @@ class Ingress:
         model_name = config.served_model_name or ("lorafleet-demo" if config.model == "demo" else
                                                   config.model.rstrip("/").rsplit("/", 1)[-1])
         self.backend = _ReplicaBackend(replicas, self.catalog, model_name, config.default_max_tokens)
+        self.backend.lora_config = config.engine_args("unused").lora_config()
         if config.model == "demo":
             from replicas.demo_checkpoint import ensure_demo_checkpoint
 

@@ -38,7 +38,7 @@ def serve_app(tmp_path_factory, s3_server):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "server": {"model": "demo", "default_max_tokens": 8,
-                   "engine": {"dtype": "float32", "max_loras": 2, "max_lora_rank": 32, "num_kv_blocks": 128}},
+                   "engine": {"dtype": "float32", "max_loras": 2, "max_lora_rank": 16, "num_kv_blocks": 128}},
         "tier": {"capacity_bytes": 1 << 28, "registry_dir": str(registry),
                  "sources": {"s3_endpoint_url": s3_server.endpoint_url}},
         "replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}, "routing_stats_period_s": 0.5},
@@ -92,6 +92,12 @@ def test_adapter_loaded_from_s3_at_run_time(serve_app, s3_client, peft_adapter_d
     bad = httpx.post(f"{serve_app}/v1/load_lora_adapter", timeout=60,
                      json={"lora_name": "nothing", "lora_path": "s3://adapters/no/such/prefix"})
     assert bad.status_code == 404, bad.text
+    # rank 32 > this deployment's max_lora_rank of 16: refused at load time, not at first use
+    upload_dir(s3_client, "adapters", "team-b/big", peft_adapter_dir.parent / "demo-translate")
+    big = httpx.post(f"{serve_app}/v1/load_lora_adapter", timeout=120,
+                     json={"lora_name": "too-big", "lora_path": "s3://adapters/team-b/big"})
+    assert big.status_code == 400 and "max_lora_rank" in big.text, big.text
+    assert "too-big" not in {m.id for m in client.models.list().data}
 
 
 def test_errors_and_python_handle(serve_app):
