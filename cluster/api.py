@@ -274,10 +274,27 @@ class _ChatFormat(_Format):
         super().__init__(body, backend)
         self._started = False
 
+    def _logprobs(self, out: RequestOutput) -> dict | None:
+        lps = out.outputs[0].logprobs
+        if lps is None:
+            return None
+        decode = self.backend.decode_token
+
+        def entry(token: int, logprob: float) -> dict:
+            text = decode(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for token, step in zip(out.outputs[0].token_ids, lps):
+            top = sorted(step.items(), key=lambda kv: -kv[1])[: self.body.top_logprobs or 0]
+            content.append({**entry(token, step[token]), "top_logprobs": [entry(t, v) for t, v in top]})
+        return {"content": content}
+
     def full(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
         body = self._envelope(self.object_full, [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                                                  "logprobs": None, "finish_reason": self.finish_reason(out)}])
+                                                  "logprobs": self._logprobs(out),
+                                                  "finish_reason": self.finish_reason(out)}])
         body["usage"] = self.usage(out)
         return body
 

@@ -181,3 +181,17 @@ def test_adapter_requests_count_where_the_adapter_was(stack):
     delta = {k: server.adapter_events[k] - before.get(k, 0) for k in ("gpu", "host", "object_store")}
     # first request: brought in from the catalog; second: found in a GPU slot
     assert delta == {"gpu": 1, "host": 0, "object_store": 1}
+
+
+def test_chat_logprobs(stack):
+    async def go(c):
+        return await c.chat.completions.create(model="lorafleet-demo", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+
+    out = run(stack, go)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)  # greedy: the sampled token is the top one
+        assert item.logprob <= 0
