@@ -9,6 +9,7 @@ adapter tier, or a local one in tests) and added to the engine on demand.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import os
@@ -83,6 +84,7 @@ class LoRAServer:
         self.engine = AsyncLLMEngine(config.engine_args(model_dir))
         self.tokenizer = self.engine.engine.tokenizer
         self._loaded: dict[str, LoRARequest] = {}
+        self._loading: dict[str, asyncio.Lock] = {}  # one load at a time per adapter name
         self._ids = itertools.count(1)
         self._inflight = 0
         # Where each adapter request found its adapter (the tier itself counts origin fetches).
@@ -120,17 +122,22 @@ class LoRAServer:
             gpu = name in self.routing_stats()["gpu_adapters"]
             self.adapter_events[ADAPTER_GPU_HIT if gpu else ADAPTER_HOST_HIT] += 1
             return request
-        if await self.catalog.lookup(name) is None:
-            raise AdapterNotFoundError(f"model {name!r} does not exist: not the base model "
-                                       f"({self.model_name!r}) nor a registered adapter")
-        start = time.monotonic()
-        path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
-        request = LoRARequest(name, next(self._ids), str(path))
-        await self.engine.add_lora(request)
-        self._loaded[name] = request
-        self.adapter_events[ADAPTER_TIER_LOAD] += 1
-        self.load_latencies.append(time.monotonic() - start)
-        return request
+        # Concurrent first requests for one adapter share one load: a second load would read the tier again,
+        # rewrite the directory the first one reads, and clash with it in the engine (same name, another id).
+        async with self._loading.setdefault(name, asyncio.Lock()):
+            if name in self._loaded:
+                return await self._ensure_loaded(name)  # loaded while this request waited: a hit
+            if await self.catalog.lookup(name) is None:
+                raise AdapterNotFoundError(f"model {name!r} does not exist: not the base model "
+                                           f"({self.model_name!r}) nor a registered adapter")
+            start = time.monotonic()
+            path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
+            request = LoRARequest(name, next(self._ids), str(path))
+            await self.engine.add_lora(request)
+            self._loaded[name] = request
+            self.adapter_events[ADAPTER_TIER_LOAD] += 1
+            self.load_latencies.append(time.monotonic() - start)
+            return request
 
     async def sync_registry(self) -> None:
         """Forget adapters that were unregistered cluster-wide and no request uses now."""
@@ -178,7 +185,8 @@ class LoRAServer:
         host = [by_id[i] for i in list(manager.list_adapters()) if i in by_id] if manager else []
         max_loras = len(manager.lora_index_to_id) if manager else 0
         return dict(gpu_adapters=gpu, host_adapters=host, free_slots=max_loras - len(gpu),
-                    queue_len=self._inflight, max_loras=max_loras)
+                    queue_len=self._inflight, max_loras=max_loras,
+                    adapter_events=dict(self.adapter_events))  # where adapter requests found their adapter
 
     @property
     def default_max_tokens(self) -> int:

@@ -1,0 +1,393 @@
+"""How the demo app behaves as a cluster, on real Ray Serve (num_cpus=2) over HTTP on loopback.
+
+- origin fetches happen once per adapter for the whole cluster, and adapter
+  requests land on the replica that holds the adapter;
+- a hot adapter under concurrent load spreads to more than one replica;
+- faults: a replica killed mid-stream (the client's stream ends, Serve replaces
+  the replica, later requests succeed) and the adapter-tier actor killed (it
+  restarts, forgets no registered adapter and refetches on demand);
+- autoscaling: a second app scales from 1 to 2 replicas under load and back when idle.
+
+Which replica holds which adapter is read from the replicas themselves: each
+replica actor's record_routing_stats (what the router sees), which also counts
+where the replica found the adapter of each request it served ("gpu"/"host":
+resident there; "object_store": loaded there from the tier). Origin fetches are
+the tier's counters on /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+from ray._private import state as ray_state  # noqa: E402
+
+from cluster.adapter_tier_actor import DEFAULT_NAME as TIER_NAME  # noqa: E402
+from cluster.app import build_app  # noqa: E402
+
+APP = "behaviour"
+AUTOSCALE_APP = "behaviour-autoscale"
+BASE_MODEL = "lorafleet-demo"
+STATS_PERIOD_S = 0.2
+SETTLE_S = 1.0  # several routing-stats periods: fresh stats reach the router
+NUM_REPLICAS = 3
+K = 3  # distinct adapters in the fetch/affinity test
+ROUNDS = 4
+HTTP_TIMEOUT_S = 60.0
+
+ENGINE = {"dtype": "float32", "max_loras": 2, "max_lora_rank": 32, "num_kv_blocks": 128}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
+    """condition()'s first truthy value; fails the test after timeout_s (exceptions count as not yet)."""
+    deadline, last_exc = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - not ready yet
+            last_exc = exc
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last_exc!r})")
+        time.sleep(interval_s)
+
+
+class Cluster(NamedTuple):
+    base: str  # http://127.0.0.1:port
+    adapter_root: Path  # an allowed local root holding fresh copies of the demo adapters
+    demo_adapter: Path  # a demo adapter directory to copy from
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """Ray with 2 CPUs and Serve's HTTP proxy on a free loopback port; the demo checkpoint prebuilt."""
+    cache = tmp_path_factory.mktemp("cache")
+    adapter_root = tmp_path_factory.mktemp("adapters")
+    env = {"LORAFLEET_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    mp = pytest.MonkeyPatch()
+    for key, value in env.items():
+        mp.setenv(key, value)
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+
+    demo = ensure_demo_checkpoint()  # built once here rather than raced for by every replica
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="lorafleet-behaviour",
+             runtime_env={"env_vars": env})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield Cluster(f"http://127.0.0.1:{port}", adapter_root, demo.adapters["demo-sql"])
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        mp.undo()
+
+
+def _app_args(registry: Path, adapter_root: Path, replica: dict) -> dict:
+    return {
+        "server": {"model": "demo", "default_max_tokens": 8, "engine": ENGINE},
+        "tier": {"capacity_bytes": 1 << 28, "registry_dir": str(registry),
+                 "sources": {"allowed_local_roots": [str(adapter_root)]}},
+        "replica": {"ray_actor_options": {"num_cpus": 0.25}, "routing_stats_period_s": STATS_PERIOD_S,
+                    "graceful_shutdown_timeout_s": 2, "graceful_shutdown_wait_loop_s": 0.5, **replica},
+        "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, tmp_path_factory) -> Cluster:
+    """The demo app with 3 replicas (the first tests); torn down with Serve, or by the autoscaling test."""
+    registry = tmp_path_factory.mktemp("registry")
+    serve.run(build_app(_app_args(registry, ray_cluster.adapter_root, {"num_replicas": NUM_REPLICAS})),
+              name=APP, route_prefix="/")
+    _wait_for(lambda: httpx.get(f"{ray_cluster.base}/health", timeout=5).status_code == 200, 60, "/health")
+    # The first /v1/models registers the demo adapters (fetched now, before any test counts fetches).
+    assert httpx.get(f"{ray_cluster.base}/v1/models", timeout=HTTP_TIMEOUT_S).status_code == 200
+    return ray_cluster
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _replica_actors(app: str) -> dict[str, Any]:
+    """The LoRAReplica actors of `app` Serve lists (name -> actor handle), through Ray's named actors."""
+    prefix = f"SERVE_REPLICA::{app}#LoRAReplica#"
+    actors = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith(prefix):
+            try:
+                actors[a["name"].removeprefix(prefix)] = ray.get_actor(a["name"], namespace=a["namespace"])
+            except ValueError:  # died meanwhile
+                pass
+    return actors
+
+
+def _routing_stats(app: str = APP) -> dict[str, dict]:
+    """Each live replica's record_routing_stats (what the router reads), by replica id."""
+    actors = _replica_actors(app)
+    refs = {rid: actor.record_routing_stats.remote() for rid, actor in actors.items()}
+    stats = {}
+    for rid, ref in refs.items():
+        try:
+            stats[rid] = ray.get(ref, timeout=10)
+        except Exception:  # noqa: BLE001 - a replica going away
+            pass
+    return stats
+
+
+def _holders(adapter: str, app: str = APP) -> set[str]:
+    """Replicas that report `adapter` resident (on GPU or in host memory)."""
+    return {rid for rid, s in _routing_stats(app).items()
+            if adapter in s["gpu_adapters"] or adapter in s["host_adapters"]}
+
+
+def _tier_actor():
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"] == TIER_NAME:
+            return ray.get_actor(TIER_NAME, namespace=a["namespace"])
+    raise LookupError("no adapter-tier actor")
+
+
+def _tier_owner_replica() -> str | None:
+    """The replica whose worker created the adapter-tier actor (its owner in Ray's terms), if a replica did."""
+    owner = ray_state.actors(_tier_actor()._actor_id.hex())["OwnerAddress"]
+    for rid, actor in _replica_actors(APP).items():
+        address = ray_state.actors(actor._actor_id.hex())["Address"]
+        if (address["IPAddress"], address["Port"]) == (owner["IPAddress"], owner["Port"]):
+            return rid
+    return None
+
+
+def _tier_metrics(base: str) -> dict[str, float]:
+    """The tier's counters as the app exports them on /metrics."""
+    text = httpx.get(f"{base}/metrics", timeout=HTTP_TIMEOUT_S).text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r"^lorafleet_adapter_tier_(\w+) ([0-9.eE+-]+)$", text, re.MULTILINE)}
+
+
+def _register(cluster: Cluster, name: str, base: str | None = None) -> None:
+    """Load a fresh copy of a demo adapter from a local directory under the allowed root."""
+    path = cluster.adapter_root / name
+    if not path.exists():
+        shutil.copytree(cluster.demo_adapter, path)
+    r = httpx.post(f"{base or cluster.base}/v1/load_lora_adapter", timeout=HTTP_TIMEOUT_S,
+                   json={"lora_name": name, "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+
+
+def _complete(base: str, model: str, max_tokens: int = 8, **extra: Any) -> dict:
+    r = httpx.post(f"{base}/v1/completions", timeout=HTTP_TIMEOUT_S,
+                   json={"model": model, "prompt": "The quick brown fox", "max_tokens": max_tokens,
+                         "temperature": 0, **extra})
+    assert r.status_code == 200, (model, r.status_code, r.text)
+    body = r.json()
+    assert body["usage"]["completion_tokens"] >= 1
+    return body
+
+
+def _concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return [f.result(timeout=HTTP_TIMEOUT_S * 2) for f in [pool.submit(c) for c in calls]]
+
+
+def _running_replicas(app: str) -> int:
+    status = serve.status().applications.get(app)
+    if status is None:
+        return 0
+    return status.deployments["LoRAReplica"].replica_states.get("RUNNING", 0)
+
+
+# ---- routing and the shared tier ---------------------------------------------------------------
+
+
+def _adapter_events() -> Counter:
+    """Adapter requests summed over the replicas, by where the serving replica found the adapter:
+    "gpu" / "host" (resident there), "object_store" (loaded there from the tier)."""
+    total: Counter = Counter()
+    for stats in _routing_stats().values():
+        total.update(stats["adapter_events"])
+    return total
+
+
+def test_one_origin_fetch_per_adapter_and_requests_land_on_holders(cluster):
+    adapters = [f"fresh-{i}" for i in range(K)]
+    before = _tier_metrics(cluster.base)
+    for name in adapters:
+        _register(cluster, name)
+    events_before = _adapter_events()
+    # Round 1: a cold burst of two concurrent requests per adapter lands on one replica per adapter
+    # rather than loading the adapter everywhere.
+    _concurrently([lambda a=a: _complete(cluster.base, a) for a in adapters for _ in range(2)])
+    time.sleep(SETTLE_S)
+    first_holders = {a: _holders(a) for a in adapters}
+    assert all(len(h) == 1 for h in first_holders.values()), first_holders
+    # Later rounds: one request per adapter, all at once (no replica gets busy enough to spread an adapter).
+    for _ in range(ROUNDS - 1):
+        _concurrently([lambda a=a: _complete(cluster.base, a) for a in adapters])
+    time.sleep(SETTLE_S)
+    # Later rounds went to the holders only: no other replica loaded (and so reports) any of them ...
+    assert {a: _holders(a) for a in adapters} == first_holders
+    # ... and each adapter was loaded from the tier by one replica, once: every other request was served
+    # by a replica that already held its adapter.
+    events = _adapter_events() - events_before
+    assert events["object_store"] == K, events
+    assert events["gpu"] + events["host"] == 2 * K + (ROUNDS - 1) * K - K, events
+    after = _tier_metrics(cluster.base)
+    # Exactly K origin fetches for the whole cluster (at registration; replicas read the object store).
+    assert after["origin_fetches"] - before["origin_fetches"] == K, (before, after)
+    assert after["fetch_errors"] == before["fetch_errors"]
+
+
+def test_hot_adapter_spreads_under_load(cluster):
+    _register(cluster, "hot")
+    _complete(cluster.base, "hot")
+    time.sleep(SETTLE_S)
+    assert len(_holders("hot")) == 1
+    # 9 concurrent requests: a replica is busy at ceil(5 * 0.5) = 3 in flight (Serve's max_ongoing_requests 5).
+    _concurrently([lambda: _complete(cluster.base, "hot", max_tokens=48, ignore_eos=True) for _ in range(9)])
+    time.sleep(SETTLE_S)
+    holders = _holders("hot")
+    assert len(holders) >= 2, holders
+
+
+# ---- faults ------------------------------------------------------------------------------------
+
+
+def test_replica_killed_mid_stream(cluster):
+    before = set(_replica_actors(APP))
+    assert len(before) == NUM_REPLICAS
+    events: list[str] = []
+    broken: Exception | None = None
+    body = {"model": BASE_MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    # A read timeout well under the test's budget: a hung stream fails the test instead of blocking it.
+    with httpx.stream("POST", f"{cluster.base}/v1/completions", json=body,
+                      timeout=httpx.Timeout(HTTP_TIMEOUT_S, read=20.0)) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while len(events) < 3:
+            line = next(lines)
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+        busy = _wait_for(lambda: [rid for rid, s in _routing_stats().items() if s["queue_len"] > 0], 10,
+                         "the replica serving the stream")
+        assert len(busy) == 1, busy
+        # The replica that created the adapter tier goes down too (when it is another replica): the tier is
+        # the cluster's, and must not die with the replica that happened to start it.
+        victims = {busy[0], _tier_owner_replica()} - {None}
+        tier = _tier_actor()
+        tier_restarts = ray_state.actors(tier._actor_id.hex())["NumRestarts"]
+        actors = _replica_actors(APP)
+        for rid in victims:
+            ray.kill(actors[rid], no_restart=True)
+        killed_at = time.monotonic()
+        try:
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+        except httpx.ReadTimeout:
+            pytest.fail("the stream hung after its replica was killed")
+        except httpx.HTTPError as exc:  # the connection dropped: a truncated stream that ended
+            broken = exc
+    assert time.monotonic() - killed_at < 20
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    finished = [c for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason")]
+    assert not finished, "the stream claims to have finished although its replica died"
+    errors = [c for c in chunks if c.get("object") == "error"]
+    assert broken is not None or errors, events[-3:]
+    if errors:  # a clean in-band error, then the end of the stream
+        assert errors[0]["error"]["code"] >= 500 and events[-1] == "[DONE]", events[-3:]
+    # Serve replaces the replica ...
+    _wait_for(lambda: len(_replica_actors(APP)) == NUM_REPLICAS and _running_replicas(APP) == NUM_REPLICAS
+              and not victims & set(_replica_actors(APP)), 90, "Serve to replace the killed replicas", 0.5)
+    assert len(set(_replica_actors(APP)) - before) == len(victims)
+    # ... the adapter tier lives on, untouched ...
+    tier_state = ray_state.actors(tier._actor_id.hex())
+    assert tier_state["State"] == "ALIVE" and tier_state["NumRestarts"] == tier_restarts, tier_state
+    # ... and later requests succeed, base model and adapters alike.
+    _concurrently([lambda m=m: _complete(cluster.base, m) for m in (BASE_MODEL, "fresh-0", "hot", BASE_MODEL)])
+
+
+def test_adapter_tier_killed_restarts_and_refetches(cluster):
+    _register(cluster, "late")  # fetched by the tier at registration; no replica has loaded it
+    assert not _holders("late")
+    registered = {m["id"] for m in httpx.get(f"{cluster.base}/v1/models", timeout=HTTP_TIMEOUT_S).json()["data"]}
+    assert {"late", "hot", "demo-sql", *(f"fresh-{i}" for i in range(K))} <= registered
+    tier = _tier_actor()
+    restarts = ray_state.actors(tier._actor_id.hex())["NumRestarts"]
+    ray.kill(tier, no_restart=False)
+    _wait_for(lambda: ray_state.actors(tier._actor_id.hex())["NumRestarts"] > restarts
+              and ray_state.actors(tier._actor_id.hex())["State"] == "ALIVE", 60, "the tier to restart")
+
+    # No registered adapter is forgotten (the registry is reloaded from registry_dir).
+    def models() -> set[str]:
+        r = httpx.get(f"{cluster.base}/v1/models", timeout=HTTP_TIMEOUT_S)
+        return r.status_code == 200 and {m["id"] for m in r.json()["data"]}
+
+    assert _wait_for(models, 30, "/v1/models after the restart") == registered
+    # The restarted tier caches nothing: a request for an adapter no replica holds refetches it from its origin.
+    assert ray.get(_tier_actor().cached.remote(), timeout=30) == []
+    _complete(cluster.base, "late")
+    metrics = _tier_metrics(cluster.base)
+    assert metrics["origin_fetches"] == 1 and metrics["fetch_errors"] == 0, metrics
+    assert ray.get(_tier_actor().cached.remote(), timeout=30) == ["late"]
+    # Adapters the replicas already hold keep serving.
+    _complete(cluster.base, "fresh-1")
+
+
+# ---- autoscaling -------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")  # still what Serve reads
+def test_autoscaling_up_under_load_and_down_when_idle(ray_cluster, tmp_path_factory):
+    serve.delete(APP)  # free the 2 cores for this app (no-op when run alone)
+    autoscaling = {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                   "upscale_delay_s": 0.5, "downscale_delay_s": 3, "look_back_period_s": 1,
+                   "metrics_interval_s": 0.2}
+    args = _app_args(tmp_path_factory.mktemp("registry-autoscale"), ray_cluster.adapter_root,
+                     {"autoscaling_config": autoscaling})
+    serve.run(build_app(args), name=AUTOSCALE_APP, route_prefix="/as")
+    base = f"{ray_cluster.base}/as"
+    _complete(base, BASE_MODEL)
+    assert _running_replicas(AUTOSCALE_APP) == 1
+
+    stop = False
+    served = []
+
+    def load() -> None:
+        while not stop:
+            served.append(_complete(base, BASE_MODEL, max_tokens=200, ignore_eos=True))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        workers = [pool.submit(load) for _ in range(4)]
+        try:
+            _wait_for(lambda: _running_replicas(AUTOSCALE_APP) == 2, 90, "a scale-up to 2 replicas", 0.5)
+            assert len(_routing_stats(AUTOSCALE_APP)) == 2  # both replicas answer
+        finally:
+            stop = True
+        for w in workers:
+            w.result(timeout=HTTP_TIMEOUT_S)
+    assert served
+    # Idle: back to min_replicas.
+    _wait_for(lambda: _running_replicas(AUTOSCALE_APP) == 1
+              and serve.status().applications[AUTOSCALE_APP].deployments["LoRAReplica"].replica_states
+              .get("STOPPING", 0) == 0, 60, "a scale-down to 1 replica", 0.5)
+    _complete(base, BASE_MODEL)
