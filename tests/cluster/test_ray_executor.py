@@ -6,14 +6,13 @@ import pytest
 import ray
 
 from lora_core.request import LoRARequest
-from replicas.demo_checkpoint import ensure_demo_checkpoint
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+def demo(demo_checkpoint):
+    return demo_checkpoint
 
 
 @pytest.mark.parametrize("fully_sharded", [False, True], ids=["replicated", "fully_sharded"])

@@ -117,3 +117,19 @@ def run_steps(model: LlamaForCausalLM, steps, tokens: dict[str, list[int]]) -> d
         for (seq, _), part in zip(step, model.compute_logits(hidden).split(query_lens)):
             logits[seq].append(part)
     return {seq: torch.cat(parts) for seq, parts in logits.items()}
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """The demo checkpoint (a small Llama + 4 PEFT adapters), built once per test session."""
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def loras(demo):
+    """name -> LoRARequest for every demo adapter, ids 1..4 in name order."""
+    from lora_core.request import LoRARequest
+
+    return {name: LoRARequest(name, i + 1, str(demo.adapters[name])) for i, name in enumerate(sorted(demo.adapters))}

@@ -12,7 +12,6 @@ import pytest
 from lora_core.errors import InvalidAdapterError, UnknownLoRAError
 from lora_core.request import LoRARequest
 from replicas.async_engine import AsyncLLMEngine
-from replicas.demo_checkpoint import ensure_demo_checkpoint
 from replicas.engine import EngineArgs
 from replicas.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from replicas.llm import LLM
@@ -26,16 +25,6 @@ LONG = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)  # runs
 
 def _greedy(n=12):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
-
-
-@pytest.fixture(scope="module")
-def loras(demo):
-    return {name: LoRARequest(name, i + 1, str(demo.adapters[name])) for i, name in enumerate(sorted(demo.adapters))}
 
 
 @pytest.fixture(scope="module")

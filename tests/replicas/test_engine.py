@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from lora_core.request import LoRARequest
-from replicas.demo_checkpoint import ensure_demo_checkpoint
 from replicas.errors import InvalidRequestError
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
@@ -16,14 +15,8 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a city far away,", "SELEC
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
-
-
-@pytest.fixture(scope="module")
-def lora_requests(demo):
-    return [LoRARequest(name, i + 1, str(path)) for i, name, path in
-            ((i, n, demo.adapters[n]) for i, n in enumerate(sorted(demo.adapters)))]
+def lora_requests(loras):
+    return list(loras.values())
 
 
 @pytest.fixture(scope="module")

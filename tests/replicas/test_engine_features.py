@@ -13,7 +13,6 @@ from collections import Counter
 import pytest
 
 from lora_core.request import LoRARequest
-from replicas.demo_checkpoint import ensure_demo_checkpoint
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
 
@@ -23,17 +22,6 @@ LONG_TEXT = ("The quick brown fox jumps over the lazy dog. A serving system answ
              "each request may ask for a different adapter. The base model stays in memory while small low-rank "
              "adapters come and go. When a request arrives, the router looks for a replica that already holds its "
              "adapter; if none does, it picks the least busy one, which then loads the adapter from its host cache.")
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
-
-
-@pytest.fixture(scope="module")
-def loras(demo):
-    """name -> LoRARequest, ids 1..4 in name order."""
-    return {name: LoRARequest(name, i + 1, str(demo.adapters[name])) for i, name in enumerate(sorted(demo.adapters))}
 
 
 @pytest.fixture(scope="module")

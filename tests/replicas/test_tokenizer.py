@@ -18,11 +18,6 @@ TEXTS = ["Hello world", "The café served crème brûlée.", "SELECT * FROM user
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
-
-
-@pytest.fixture(scope="module")
 def tok(demo):
     return Tokenizer.from_pretrained(demo.model_dir)
 
