@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from replicas.demo_checkpoint import CORPUS, ensure_demo_checkpoint
+from replicas.demo_checkpoint import CORPUS
 from replicas.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = ["Hello world", "The café served crème brûlée.", "SELECT * FROM users WHERE id = 42;",
