@@ -21,9 +21,11 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.serve import metrics
+from ray.serve.exceptions import BackPressureError
 
 from cluster.adapter_tier_actor import get_adapter, get_or_create_adapter_tier
 from cluster.api import build_api
+from cluster.errors import OverloadedError
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
 from cluster.tier_catalog import TierCatalog
@@ -116,9 +118,12 @@ class _ReplicaBackend:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
         from replicas.outputs import CompletionOutput, RequestOutput
 
-        async for item in self.replicas.options(stream=True).generate.remote(request):
-            outputs = [CompletionOutput(**c) for c in item["outputs"]]
-            yield RequestOutput(**{**item, "outputs": outputs})
+        try:
+            async for item in self.replicas.options(stream=True).generate.remote(request):
+                outputs = [CompletionOutput(**c) for c in item["outputs"]]
+                yield RequestOutput(**{**item, "outputs": outputs})
+        except BackPressureError as exc:  # every replica's queue is full (max_queued_requests): HTTP 429
+            raise OverloadedError(f"all replicas are at capacity, retry later ({exc})") from exc
 
     async def models(self) -> list[dict]:
         return await self.replicas.models.remote()

@@ -195,3 +195,35 @@ def test_chat_logprobs(stack):
         assert len(item.top_logprobs) == 2
         assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)  # greedy: the sampled token is the top one
         assert item.logprob <= 0
+
+
+def test_full_replica_queues_answer_429():
+    """Serve's back-pressure (every replica's max_queued_requests reached) becomes HTTP 429."""
+    from ray.serve.exceptions import BackPressureError
+
+    from cluster.deployments import _ReplicaBackend
+
+    class FullReplicas:
+        def options(self, **_):
+            return self
+
+        @property
+        def generate(self):
+            return self
+
+        def remote(self, _request):
+            async def refuse():
+                raise BackPressureError(num_queued_requests=256, max_queued_requests=256)
+                yield  # an async generator, like a streaming handle response
+
+            return refuse()
+
+    backend = _ReplicaBackend(FullReplicas(), catalog=None, model_name="base", default_max_tokens=4)
+    app = build_api(backend)
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
+        return await http.post("/v1/completions", json={"model": "base", "prompt": "hi"})
+
+    response = asyncio.run(go())
+    assert response.status_code == 429 and "capacity" in response.text
