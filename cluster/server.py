@@ -84,6 +84,7 @@ class LoRAServer:
         self.engine = AsyncLLMEngine(config.engine_args(model_dir))
         self.tokenizer = self.engine.engine.tokenizer
         self._loaded: dict[str, LoRARequest] = {}
+        self._loaded_uri: dict[str, str] = {}  # the source each loaded adapter came from
         self._loading: dict[str, asyncio.Lock] = {}  # one load at a time per adapter name
         self._ids = itertools.count(1)
         self._inflight = 0
@@ -106,6 +107,8 @@ class LoRAServer:
 
             raise InvalidRequestError([("lora_name", f"{name!r} is the base model's name")])
         await self.catalog.register(name, uri)
+        if name in self._loaded and self._loaded_uri.get(name) != uri:
+            await self._forget(name)  # re-pointed: serve the new weights from now on
         await self._ensure_loaded(name)
 
     async def unload_adapter(self, name: str) -> None:
@@ -115,6 +118,7 @@ class LoRAServer:
         if name in self._loaded:
             await self.engine.remove_lora(name)
             del self._loaded[name]
+            self._loaded_uri.pop(name, None)
 
     async def _ensure_loaded(self, name: str) -> LoRARequest:
         request = self._loaded.get(name)
@@ -127,7 +131,8 @@ class LoRAServer:
         async with self._loading.setdefault(name, asyncio.Lock()):
             if name in self._loaded:
                 return await self._ensure_loaded(name)  # loaded while this request waited: a hit
-            if await self.catalog.lookup(name) is None:
+            uri = await self.catalog.lookup(name)
+            if uri is None:
                 raise AdapterNotFoundError(f"model {name!r} does not exist: not the base model "
                                            f"({self.model_name!r}) nor a registered adapter")
             start = time.monotonic()
@@ -135,6 +140,7 @@ class LoRAServer:
             request = LoRARequest(name, next(self._ids), str(path))
             await self.engine.add_lora(request)
             self._loaded[name] = request
+            self._loaded_uri[name] = uri
             self.adapter_events[ADAPTER_TIER_LOAD] += 1
             self.load_latencies.append(time.monotonic() - start)
             return request
@@ -142,12 +148,17 @@ class LoRAServer:
     async def sync_registry(self) -> None:
         """Forget adapters that were unregistered cluster-wide and no request uses now."""
         registered = await self.catalog.registered()
-        for name in [n for n in self._loaded if n not in registered]:
-            try:
-                await self.engine.remove_lora(name)
-            except Exception:  # noqa: BLE001 - still in use: try again at the next sync
-                continue
-            del self._loaded[name]
+        for name in [n for n in self._loaded if registered.get(n) != self._loaded_uri.get(n)]:
+            await self._forget(name)  # unregistered, or the name now points at other weights
+
+    async def _forget(self, name: str) -> bool:
+        try:
+            await self.engine.remove_lora(name)
+        except Exception:  # noqa: BLE001 - still in use: the next sync tries again
+            return False
+        del self._loaded[name]
+        self._loaded_uri.pop(name, None)
+        return True
 
     async def models(self) -> list[dict[str, Any]]:
         created = int(time.time())

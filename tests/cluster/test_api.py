@@ -227,3 +227,23 @@ def test_full_replica_queues_answer_429():
 
     response = asyncio.run(go())
     assert response.status_code == 429 and "capacity" in response.text
+
+
+def test_adapter_name_repointed_to_new_weights(stack):
+    """Loading an existing name from another lora_path serves the new weights from then on."""
+    root = stack[3]
+    demo_chat = stack[2]._demo_adapters["demo-chat"]
+    shutil.copytree(demo_chat, root / "chat-copy", dirs_exist_ok=True)
+
+    async def go(c):
+        http = c._client
+        for path in ("sql-copy", "chat-copy"):
+            r = await http.post("http://127.0.0.1/v1/load_lora_adapter",
+                                json={"lora_name": "moving", "lora_path": str(root / path)})
+            assert r.status_code == 200, r.text
+        got = await c.completions.create(model="moving", prompt="SELECT", max_tokens=4, temperature=0)
+        want = await c.completions.create(model="demo-chat", prompt="SELECT", max_tokens=4, temperature=0)
+        return got, want
+
+    got, want = run(stack, go)
+    assert got.choices[0].text == want.choices[0].text
