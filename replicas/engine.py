@@ -49,6 +49,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     load_format: str = "auto"  # "dummy": random weights (benchmarks)
     distributed_executor_backend: str | None = None  # "mp" (default) or "module:Class", e.g. the Ray executor
+    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps (slower; for debugging)
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -77,8 +78,10 @@ class LLMEngine:
                                   gpu_memory_utilization=args.gpu_memory_utilization,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, lora_config=self.lora_config,
-                                  load_format=args.load_format)
+                                  load_format=args.load_format, max_model_len=args.max_model_len,
+                                  enforce_eager=args.enforce_eager)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
+        self.num_decode_graphs = self.executor.call("capture_decode_graphs")
         mc = self.executor.model_config
         self.model_config = mc
         self.max_model_len = min(args.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

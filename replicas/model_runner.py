@@ -22,6 +22,7 @@ from lora_core.request import LoRARequest
 import torch.distributed as dist
 
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
+from replicas.cuda_graphs import DecodeGraphs
 from replicas.lora_layers import add_lora, lora_module_specs
 from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
@@ -56,6 +57,8 @@ class RunnerConfig:
     max_num_seqs: int = 64
     lora_config: LoRAConfig | None = None
     load_format: str = "auto"  # "dummy": random weights, for benchmarks of model shapes with no checkpoint
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (sizes graph block tables)
+    enforce_eager: bool = False  # on GPU, decode steps replay CUDA graphs unless this is set
 
 
 class ModelRunner:
@@ -80,9 +83,12 @@ class ModelRunner:
         if cfg.lora_config is not None:  # slots first, so the KV budget sees their memory as used
             self._setup_lora(cfg)
         self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks, cfg.block_size,
+        # One block more than the block manager hands out: padding rows of graph steps write there.
+        self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks + 1, cfg.block_size,
                                             mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, mc.dtype,
                                             self.device)
+        self.decode_graphs = (self.build_decode_graphs(capture=True)
+                              if self.device.type == "cuda" and not cfg.enforce_eager else None)
         # Adapters for waiting requests are copied into free slots on this stream, under the running step.
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -112,9 +118,10 @@ class ModelRunner:
         blocks = torch.tensor([budget // per_block], dtype=torch.long, device=self.device)
         if self.ctx.tp_size > 1:  # ranks may see slightly different free memory
             dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.ctx.group)
-        if int(blocks) < 1:
-            raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes")
-        return int(blocks)
+        if int(blocks) < 2:
+            raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes "
+                             "(plus one for padding)")
+        return int(blocks) - 1  # the padding block
 
     def _dummy_model(self, backend):
         """Random weights (std 0.02, norms 1) drawn on the device; same on every run."""
@@ -199,17 +206,53 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
+    def build_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Static decode buffers over this runner's model; capture=False runs them eagerly (CPU tests)."""
+        cfg, mc = self.cfg, self.model_config
+        max_len = cfg.max_model_len or mc.max_position_embeddings
+        return DecodeGraphs(self._forward, self.punica.launch_key if self.punica else lambda: None,
+                            cfg.max_num_seqs, -(-max_len // cfg.block_size), cfg.block_size, self.num_blocks,
+                            mc.vocab_size, self.device, capture)
+
+    def capture_decode_graphs(self) -> int:
+        """Capture every decode graph before traffic (all TP ranks together); returns how many."""
+        if self.decode_graphs is None:
+            return 0
+        with torch.inference_mode():
+            if self.punica is None:
+                return self.decode_graphs.capture_all(None, None)
+            return self.decode_graphs.capture_all(self.punica.set_decode_layout, self.punica.decode_layouts)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A decode step's model pass: every row is sampled."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta)).float()
+
+    def _graph_batch(self, step: StepInput) -> int | None:
+        """The padded batch a pure decode step replays at, or None to run it eagerly."""
+        n = len(step.input_ids)
+        if self.decode_graphs is None or step.is_prefill or not n or len(step.query_lens) != n:
+            return None
+        if step.sample_rows != list(range(n)):
+            return None
+        return self.decode_graphs.padded_size(n)
+
+    def _set_lora_mapping(self, step: StepInput, pad: int) -> None:
+        mapping = LoRAMapping((step.token_lora_ids or [0] * len(step.input_ids)) + [0] * pad,
+                              (step.sample_lora_ids or [0] * len(step.sample_rows)) + [0] * pad, step.is_prefill)
+        if self._side_stream is not None:  # prefetched slots must be written before this step reads them
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        self._ensure_registered(mapping.active_ids())
+        self.punica.update_metadata(mapping, self.lora_manager.prepare_batch(mapping))
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run the step; returns float32 logits [len(sample_rows), vocab]."""
         dev = self.device
+        batch = self._graph_batch(step)
         if self.lora_manager is not None:
-            mapping = LoRAMapping(step.token_lora_ids or [0] * len(step.input_ids),
-                                  step.sample_lora_ids or [0] * len(step.sample_rows), step.is_prefill)
-            if self._side_stream is not None:  # prefetched slots must be written before this step reads them
-                torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
-            self._ensure_registered(mapping.active_ids())
-            self.punica.update_metadata(mapping, self.lora_manager.prepare_batch(mapping))
+            self._set_lora_mapping(step, 0 if batch is None else batch - len(step.input_ids))
+        if batch is not None:
+            return self.decode_graphs.run(step.input_ids, step.positions, step.block_tables, batch)
         meta = AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables, self.cfg.block_size, dev)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)

@@ -71,14 +71,28 @@ class PunicaMetadata:
             raise ValueError(f"{n} rows exceed the {self.max_rows} this PunicaWrapper was sized for")
         self.num_rows = n
         self.num_adapters = num_adapters
-        self.block_m = choose_block_m(n, num_adapters)
-        # BGMV (one token per program) wins while adapters are barely shared.
-        self.use_bgmv = n <= self.bgmv_max_rows and n <= 2 * max(1, num_adapters)
-        self.max_tiles = max_tiles(n, self.num_slots, self.block_m)
+        self.block_m, self.use_bgmv, self.max_tiles = self.layout(n, num_adapters)
         if n == 0:
             return
         self._slots[:n].copy_(slots, non_blocking=True)
         self.rebuild()
+
+    def layout(self, num_rows: int, num_adapters: int) -> tuple[int, bool, int]:
+        """(block_m, use_bgmv, max_tiles): every host-side launch parameter the kernels take from a step.
+
+        Two steps with equal layouts (and row counts) launch identical grids,
+        so one captured CUDA graph serves both.
+        """
+        block_m = choose_block_m(num_rows, num_adapters)
+        # BGMV (one token per program) wins while adapters are barely shared.
+        use_bgmv = num_rows <= self.bgmv_max_rows and num_rows <= 2 * max(1, num_adapters)
+        return block_m, use_bgmv, max_tiles(num_rows, self.num_slots, block_m)
+
+    def launch_key(self, num_rows: int, num_adapters: int) -> tuple:
+        """What a CUDA graph of such a step freezes of this metadata (0 adapters: the layers skip LoRA)."""
+        if not num_adapters:
+            return (num_rows, 0)
+        return (num_rows, 1, *self.layout(num_rows, num_adapters))
 
     def rebuild(self) -> None:
         """Recompute tiles from the slots already in the buffer (device work only)."""

@@ -49,6 +49,8 @@ class PunicaWrapper:
         self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.is_prefill = False
         self._workspace = torch.empty(0, dtype=torch.float32, device=self.device)
+        # Outgrown workspaces stay alive: a captured CUDA graph may still write into one.
+        self._retired: list[torch.Tensor] = []
         self._slice_offsets: dict[tuple[int, ...], torch.Tensor] = {}
         self._full_ranks: dict[tuple[int, int, int], torch.Tensor] = {}
 
@@ -73,6 +75,32 @@ class PunicaWrapper:
         self.token_meta.update(*to_slots(mapping.index_mapping, "index_mapping"))
         self.sampler_meta.update(*to_slots(mapping.prompt_mapping, "prompt_mapping"))
         self.is_prefill = mapping.is_prefill
+
+    def launch_key(self) -> tuple:
+        """This step's host-side launch parameters (token and sampled-row metadata): a CUDA graph's key."""
+        t, p = self.token_meta, self.sampler_meta
+        return t.launch_key(t.num_rows, t.num_adapters) + p.launch_key(p.num_rows, p.num_adapters)
+
+    def decode_layouts(self, num_rows: int) -> dict[tuple, int]:
+        """Every launch key a decode step of num_rows sequences can have -> an adapter count giving it."""
+        out: dict[tuple, int] = {}
+        for adapters in range(min(num_rows, self.max_loras) + 1):
+            key = (self.token_meta.launch_key(num_rows, adapters)
+                   + self.sampler_meta.launch_key(num_rows, adapters))
+            out.setdefault(key, adapters)
+        return out
+
+    def set_decode_layout(self, num_rows: int, num_adapters: int) -> None:
+        """Metadata of a synthetic decode step: num_rows rows over num_adapters slots (0: no LoRA).
+
+        For capturing CUDA graphs before traffic: a capture depends on the
+        launch parameters only, not on which weights the slots hold.
+        """
+        slots = torch.tensor([i % num_adapters if num_adapters else -1 for i in range(num_rows)],
+                             dtype=torch.int32).to(self.device)
+        self.token_meta.update(slots, num_adapters)
+        self.sampler_meta.update(slots, num_adapters)
+        self.is_prefill = False
 
     # ---- the ops --------------------------------------------------------------------------
 
@@ -194,6 +222,8 @@ class PunicaWrapper:
         for d in shape:
             numel *= d
         if self._workspace.numel() < numel:
+            if self._workspace.numel():
+                self._retired.append(self._workspace)
             self._workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
         return self._workspace[:numel].view(shape)
 

@@ -1,0 +1,37 @@
+"""Launch keys: what a CUDA graph of a decode step freezes of the punica metadata."""
+
+from __future__ import annotations
+
+import torch
+
+from lora_core.mapping import LoRAMapping
+from lora_core.punica import PunicaWrapper
+
+
+def test_decode_layouts_cover_every_adapter_count():
+    wrapper = PunicaWrapper(64, max_loras=8, device="cpu", max_num_prompts=64)
+    for rows in (1, 4, 16, 32, 64):
+        layouts = wrapper.decode_layouts(rows)
+        # every adapter count maps to one of the listed keys, and each key is reproduced by set_decode_layout
+        for adapters in range(min(rows, 8) + 1):
+            wrapper.set_decode_layout(rows, adapters)
+            assert wrapper.launch_key() in layouts
+        for key, adapters in layouts.items():
+            wrapper.set_decode_layout(rows, adapters)
+            assert wrapper.launch_key() == key
+            assert wrapper.token_meta.num_rows == rows and wrapper.token_meta.num_adapters == adapters
+    # no adapter, BGMV (adapters barely shared) and SGMV tiles are all reachable at 16 rows with 8 slots
+    keys = wrapper.decode_layouts(16)
+    assert (16, 0, 16, 0) in keys
+    assert {key[3] for key in keys if len(key) > 2} == {True, False}
+
+
+def test_a_real_step_has_the_key_of_its_synthetic_twin():
+    """A step with 3 adapters over 8 rows launches like set_decode_layout(8, 3), whatever the ids."""
+    wrapper = PunicaWrapper(64, max_loras=4, device="cpu", max_num_prompts=64)
+    ids = [7, 7, 9, 0, 11, 9, 0, 7]
+    wrapper.update_metadata(LoRAMapping(ids, ids, is_prefill=False), [7, 9, 11, None])
+    key = wrapper.launch_key()
+    wrapper.set_decode_layout(8, 3)
+    assert wrapper.launch_key() == key
+    assert torch.equal(wrapper.token_meta.slots, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1], dtype=torch.int32))

@@ -1,0 +1,103 @@
+"""Decode steps through DecodeGraphs' static, padded buffers give the eager engine's results.
+
+On CPU nothing is captured (capture=False runs the same padded step eagerly),
+which checks the padding and the static buffers; the capture itself is
+checked on a GPU (marked gpu) against enforce_eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replicas.cuda_graphs import capture_sizes
+from replicas.llm import LLM
+from replicas.sampling_params import SamplingParams
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT", "Hello world, this is",
+           "def add(a, b):", "Summary:", "Translate to French: the cat"]
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_max():
+    for max_batch in (1, 3, 8, 33, 64, 100, 256):
+        sizes = capture_sizes(max_batch)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch and sizes[0] == 1
+        # padding never more than doubles a batch, and costs at most 16 rows past 8
+        for n in range(1, max_batch + 1):
+            padded = next(s for s in sizes if s >= n)
+            assert padded < 2 * n or padded - n < 16 or n < 8
+
+
+def _requests(loras):
+    """Mixed adapters and lengths, so the decode batch shrinks through several padded sizes."""
+    names = [None, *sorted(loras), None, *sorted(loras)[:2]]
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, logprobs=2, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    return PROMPTS, params, [loras[n] if n else None for n in names[: len(PROMPTS)]]
+
+
+def _generate(llm, loras):
+    return llm.generate(*_requests(loras))  # one call: every request joins the first step
+
+
+def _kwargs(**extra):
+    return {**dict(enable_lora=True, max_loras=4, max_lora_rank=32, dtype="float32", max_num_seqs=8,
+                   num_kv_blocks=64, enable_prefix_caching=False), **extra}
+
+
+def test_padded_static_decode_equals_eager(demo, loras):
+    eager = LLM(str(demo.model_dir), **_kwargs())
+    padded = LLM(str(demo.model_dir), **_kwargs())
+    runner = padded.engine.executor.runner
+    graphs = runner.build_decode_graphs(capture=False)
+    seen = []
+    run = graphs.run
+
+    def counting_run(input_ids, positions, block_tables, batch):
+        seen.append((len(input_ids), batch))
+        return run(input_ids, positions, block_tables, batch)
+
+    graphs.run = counting_run
+    runner.decode_graphs = graphs
+    want, got = _generate(eager, loras), _generate(padded, loras)
+    assert any(batch > n for n, batch in seen), seen  # padding rows really ran
+    assert len({batch for _, batch in seen}) >= 3, seen
+    for w, g in zip(want, got):
+        assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lw.keys() == lg.keys()
+            assert max(abs(lw[t] - lg[t]) for t in lw) < 1e-4
+    # Padding rows wrote only the scratch block, past the block manager's blocks.
+    pad = runner.num_blocks
+    for (k_e, v_e), (k_p, v_p) in zip(eager.engine.executor.runner.kv_caches, runner.kv_caches):
+        # (a padded batch may round differently in the last bits of a matmul)
+        torch.testing.assert_close(k_p[:pad], k_e[:pad], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(v_p[:pad], v_e[:pad], atol=1e-4, rtol=1e-3)
+        assert not k_e[pad].any() and k_p[pad].any()
+
+
+def test_prefill_and_oversized_steps_stay_eager(demo, loras):
+    llm = LLM(str(demo.model_dir), **_kwargs(max_num_seqs=4))
+    runner = llm.engine.executor.runner
+    runner.decode_graphs = runner.build_decode_graphs(capture=False)
+    from replicas.model_runner import StepInput
+
+    prefill = StepInput([1, 2, 3], [0, 1, 2], [3], [3], [[0]], [2], is_prefill=True)
+    decode = StepInput([5, 6], [3, 7], [1, 1], [4, 8], [[0], [1, 2]], [0, 1], is_prefill=False)
+    too_many = StepInput([5] * 5, [3] * 5, [1] * 5, [4] * 5, [[i] for i in range(5)], list(range(5)),
+                         is_prefill=False)
+    assert runner._graph_batch(prefill) is None
+    assert runner._graph_batch(decode) == 2
+    assert runner._graph_batch(too_many) is None
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_eager_on_gpu(demo, loras):
+    eager = LLM(str(demo.model_dir), **_kwargs(enforce_eager=True))
+    graphed = LLM(str(demo.model_dir), **_kwargs())
+    assert eager.engine.num_decode_graphs == 0 and graphed.engine.num_decode_graphs > 0
+    want, got = _generate(eager, loras), _generate(graphed, loras)
+    for w, g in zip(want, got):
+        assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert max(abs(lw[t] - lg.get(t, float("inf"))) for t in lw) < 1e-3
