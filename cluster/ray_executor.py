@@ -19,7 +19,7 @@ from ray.util.placement_group import get_current_placement_group, placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from replicas.model_runner import ModelRunner, RunnerConfig, StepInput
-from replicas.parallel import destroy_distributed, free_port, init_distributed
+from replicas.parallel import backend_for, destroy_distributed, free_port, init_distributed
 
 
 @ray.remote(num_cpus=0)
@@ -32,7 +32,7 @@ class _RankActor:
         rank, world, init_method, cfg = self.args
         if cfg.device.startswith("cuda"):
             cfg.device = "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        self.runner = ModelRunner(cfg, init_distributed(rank, world, init_method))
+        self.runner = ModelRunner(cfg, init_distributed(rank, world, init_method, backend_for(cfg.device)))
 
     def call(self, method: str, *args: Any) -> Any:
         result = getattr(self.runner, method)(*args)
@@ -59,7 +59,7 @@ class RayExecutor:
         starts = [a.start.remote() for a in self._actors]  # they block in init until rank 0 joins
         if cfg.device.startswith("cuda"):
             cfg.device = "cuda:0"
-        self.runner = ModelRunner(cfg, init_distributed(0, tp_size, init_method))
+        self.runner = ModelRunner(cfg, init_distributed(0, tp_size, init_method, backend_for(cfg.device)))
         ray.get(starts)
 
     @property

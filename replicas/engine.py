@@ -81,7 +81,7 @@ class LLMEngine:
                                   load_format=args.load_format, max_model_len=args.max_model_len,
                                   enforce_eager=args.enforce_eager)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
-        self.num_decode_graphs = self.executor.call("capture_decode_graphs")
+        self.num_decode_graphs = self.executor.call("warm_up")  # GPU: compile kernels, capture decode graphs
         mc = self.executor.model_config
         self.model_config = mc
         self.max_model_len = min(args.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from replicas.model_runner import ModelRunner, RunnerConfig, StepInput
-from replicas.parallel import destroy_distributed, free_port, init_distributed
+from replicas.parallel import backend_for, destroy_distributed, free_port, init_distributed
 
 
 class UniProcExecutor:
@@ -42,7 +42,7 @@ def _worker_main(rank: int, world: int, init_method: str, cfg: RunnerConfig, con
     try:
         if cfg.device.startswith("cuda"):
             cfg.device = f"cuda:{rank % torch.cuda.device_count()}"
-        ctx = init_distributed(rank, world, init_method)
+        ctx = init_distributed(rank, world, init_method, backend_for(cfg.device))
         runner = ModelRunner(cfg, ctx)
         conn.send(("ok", None))
     except BaseException as exc:  # the parent re-raises it with the worker's traceback
@@ -77,7 +77,7 @@ class MultiprocExecutor:
             self._procs.append(proc)
         if cfg.device.startswith("cuda"):
             cfg.device = "cuda:0"
-        self.runner = ModelRunner(cfg, init_distributed(0, tp_size, init_method))
+        self.runner = ModelRunner(cfg, init_distributed(0, tp_size, init_method, backend_for(cfg.device)))
         for conn in self._conns:
             status, detail = conn.recv()
             if status != "ok":

@@ -8,6 +8,7 @@ ranks after the LM head's all-gather).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -111,6 +112,8 @@ class ModelRunner:
                                          mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, mc.dtype)
         budget = cfg.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
+            gc.collect()  # engines dropped earlier in this process give their memory back first
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1 - cfg.gpu_memory_utilization))
         elif budget is None:
@@ -213,6 +216,38 @@ class ModelRunner:
         return DecodeGraphs(self._forward, self.punica.launch_key if self.punica else lambda: None,
                             cfg.max_num_seqs, -(-max_len // cfg.block_size), cfg.block_size, self.num_blocks,
                             mc.vocab_size, self.device, capture)
+
+    def warm_up(self) -> int:
+        """Before traffic, on GPU (all TP ranks together): compile the kernels, capture the decode graphs.
+
+        Triton compiles a kernel for each new combination of its constexprs
+        (tile heights, attention query block): left to the first request that
+        needs one, that costs a second or more in the middle of serving. A few
+        synthetic prefill-shaped steps cover them. Returns the graph count.
+        """
+        if self.device.type != "cuda":
+            return 0
+        cfg = self.cfg
+        room = min(cfg.max_num_batched_tokens, self.num_blocks * cfg.block_size)
+        counts = (0, 1, min(self.cfg.lora_config.max_loras, 8)) if self.punica else (0,)
+        for tokens in sorted({min(t, room) for t in (16, 48, 200, 1500)}):
+            for adapters in counts:
+                self.synthetic_step(tokens, adapters)
+        torch.cuda.synchronize(self.device)
+        return self.capture_decode_graphs()
+
+    @torch.inference_mode()
+    def synthetic_step(self, num_tokens: int, num_adapters: int) -> torch.Tensor:
+        """One prefill of num_tokens over num_adapters LoRA slots, in blocks 0.. (call only while no
+        sequence holds them: before traffic). Returns the last row's logits [1, V]."""
+        cfg = self.cfg
+        blocks = list(range(-(-num_tokens // cfg.block_size)))
+        if self.punica is not None:
+            self.punica.set_decode_layout(num_tokens, num_adapters, num_sampled=1)
+        meta = AttentionMetadata.build([num_tokens], [num_tokens], [blocks], cfg.block_size, self.device)
+        ids = torch.arange(num_tokens, device=self.device) % self.model_config.vocab_size
+        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), self.kv_caches, meta)
+        return self.model.compute_logits(hidden[-1:]).float()
 
     def capture_decode_graphs(self) -> int:
         """Capture every decode graph before traffic (all TP ranks together); returns how many."""

@@ -57,6 +57,11 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def backend_for(device: str) -> str:
+    """nccl for ranks on GPUs, gloo for ranks on CPU (also on a machine that has a GPU)."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str | None = None) -> ParallelContext:
     """Join the TP group (one TP group per process group: the world) and return this rank's context.
 

@@ -42,15 +42,19 @@ def _tile_tokens(sorted_ptr, start, end, BLOCK_M: tl.constexpr):
 def shrink_kernel(
     x_ptr, a_ptr, out_ptr, ranks_ptr,
     sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr,
-    K, scale,
+    K, scale, split_k,
     sx_t, sx_k,
     sa_s, sa_l, sa_r, sa_k,
     so_split, so_s, so_t, so_r,
     sr_s,
     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, ACCUMULATE: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """out[split, s, tok, :R] (+)= scale * x[tok, k-range] @ A[s, slot, :rank, k-range]^T."""
+    """out[split, s, tok, :R] (+)= scale * x[tok, k-range] @ A[s, slot, :rank, k-range]^T.
+
+    split_k is a runtime value (not constexpr) on purpose: it follows the step's
+    token count, and a constexpr would compile a new kernel for each value mid-serving.
+    """
     if USE_PDL:
         # Let the expand launch now: it loads everything but our output while we run.
         tl.extra.cuda.gdc_launch_dependents()
@@ -65,7 +69,7 @@ def shrink_kernel(
     rank = tl.minimum(tl.load(ranks_ptr + s * sr_s + lora), R)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    k_chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_chunk = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -91,19 +95,21 @@ def shrink_kernel(
 def expand_kernel(
     buf_ptr, b_ptr, y_ptr, ranks_ptr, slice_off_ptr, bias_ptr,
     sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr,
-    y_col_offset,
+    y_col_offset, split_k, n_per_prog,
     sb_split, sb_s, sb_t, sb_r,
     sw_l, sw_n, sw_r,
     sy_t, sy_n,
     sr_s, sbias_l,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, USE_PDL: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """y[tok, off + n] (+)= sum_split buf[split, s, tok, :rank] @ B[slot, n, :rank]^T (+ bias).
 
-    A program covers N_PER_PROG columns of one slice in BLOCK_N steps, so the
-    B tiles stream through a software pipeline after one metadata look-up.
+    A program covers n_per_prog columns (a multiple of BLOCK_N) of one slice in
+    BLOCK_N steps, so the B tiles stream through a software pipeline after one
+    metadata look-up. split_k and n_per_prog vary with the step's token count:
+    runtime values, so they never trigger a compile while serving.
     """
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -113,10 +119,10 @@ def expand_kernel(
     n_hi = tl.load(slice_off_ptr + s + 1)
     if lora < 0:
         return
-    n_begin = n_lo + chunk * N_PER_PROG
+    n_begin = n_lo + chunk * n_per_prog
     if n_begin >= n_hi:
         return
-    n_end = tl.minimum(n_begin + N_PER_PROG, n_hi)
+    n_end = tl.minimum(n_begin + n_per_prog, n_hi)
     tok, m_mask = _tile_tokens(sorted_ptr, start, end, BLOCK_M)
     rank = tl.load(ranks_ptr + s * sr_s + lora)
     offs_r = tl.arange(0, BLOCK_R)
@@ -125,7 +131,7 @@ def expand_kernel(
     buf_ptrs = buf_ptr + s * sb_s + tok[:, None].to(tl.int64) * sb_t + offs_r[None, :] * sb_r
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the shrink's output is complete and visible from here on
-    for sp in range(SPLIT_K):
+    for sp in range(split_k):
         xb += tl.load(buf_ptrs + sp * sb_split, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     b_rows = b_ptr + lora.to(tl.int64) * sw_l + offs_r[:, None] * sw_r
     y_rows = y_ptr + tok[:, None].to(tl.int64) * sy_t
@@ -147,12 +153,12 @@ def expand_kernel(
 @triton.jit
 def bgmv_shrink_kernel(
     x_ptr, a_ptr, out_ptr, ranks_ptr, slots_ptr,
-    K, scale,
+    K, scale, split_k,
     sx_t, sx_k,
     sa_s, sa_l, sa_r, sa_k,
     so_split, so_s, so_t, so_r,
     sr_s,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Decode shrink, one token per program: out[split, s, t, :R] = scale * x[t, k-range] @ A[s, slot_t]^T.
@@ -171,7 +177,7 @@ def bgmv_shrink_kernel(
     rank = tl.minimum(tl.load(ranks_ptr + s * sr_s + slot), R)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    k_chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_chunk = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, K)
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
@@ -190,12 +196,12 @@ def bgmv_shrink_kernel(
 @triton.jit
 def bgmv_expand_kernel(
     buf_ptr, b_ptr, y_ptr, ranks_ptr, slice_off_ptr, bias_ptr, slots_ptr,
-    y_col_offset,
+    y_col_offset, n_per_prog,
     sb_split, sb_s, sb_t, sb_r,
     sw_l, sw_n, sw_r,
     sy_t, sy_n,
     sr_s, sbias_l,
-    BLOCK_N: tl.constexpr, N_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Decode expand, one token per program: y[t, off + n] (+)= sum_split buf[., s, t, :rank] @ B[slot_t, n, :rank]^T.
@@ -212,10 +218,10 @@ def bgmv_expand_kernel(
     n_hi = tl.load(slice_off_ptr + s + 1)
     if slot < 0:
         return
-    n_begin = n_lo + chunk * N_PER_PROG
+    n_begin = n_lo + chunk * n_per_prog
     if n_begin >= n_hi:
         return
-    n_end = tl.minimum(n_begin + N_PER_PROG, n_hi)
+    n_end = tl.minimum(n_begin + n_per_prog, n_hi)
     rank = tl.load(ranks_ptr + s * sr_s + slot)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank

@@ -82,12 +82,12 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
     if use_bgmv(meta) and not accumulate:
         bgmv_shrink_kernel[(meta.num_rows, split_k, num_slices)](
             x, lora_a, out, ranks, meta.slots,
-            hidden, float(scale),
+            hidden, float(scale), split_k,
             x.stride(0), x.stride(1),
             *lora_a.stride(),
             *out.stride(),
             ranks.stride(0),
-            R=rank, BLOCK_R=_block_r(rank), BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=use_pdl,
+            R=rank, BLOCK_R=_block_r(rank), BLOCK_K=block_k, USE_PDL=use_pdl,
             num_warps=4, num_stages=2,
         )
         return
@@ -95,13 +95,13 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
     shrink_kernel[grid](
         x, lora_a, out, ranks,
         meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end,
-        hidden, float(scale),
+        hidden, float(scale), split_k,
         x.stride(0), x.stride(1),
         *lora_a.stride(),
         *out.stride(),
         ranks.stride(0),
         R=rank, BLOCK_M=meta.block_m, BLOCK_R=_block_r(rank), BLOCK_K=block_k,
-        SPLIT_K=split_k, ACCUMULATE=accumulate, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32,
+        ACCUMULATE=accumulate, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32,
         num_warps=4, num_stages=3,
     )
 
@@ -118,12 +118,12 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
     if use_bgmv(meta) and split_k == _pow2_floor(split_k):
         bgmv_expand_kernel[(meta.num_rows, -(-max_slice // n_per_prog), num_slices)](
             buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b, meta.slots,
-            offset_start,
+            offset_start, n_per_prog,
             *buf.stride(),
             *lora_b.stride(),
             y.stride(0), y.stride(1),
             ranks.stride(0), bias.stride(0) if bias is not None else 0,
-            BLOCK_N=block_n, N_PER_PROG=n_per_prog, BLOCK_R=_block_r(rank),
+            BLOCK_N=block_n, BLOCK_R=_block_r(rank),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
             num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
         )
@@ -132,13 +132,13 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
     expand_kernel[grid](
         buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b,
         meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end,
-        offset_start,
+        offset_start, split_k, n_per_prog,
         *buf.stride(),
         *lora_b.stride(),
         y.stride(0), y.stride(1),
         ranks.stride(0), bias.stride(0) if bias is not None else 0,
-        BLOCK_M=meta.block_m, BLOCK_N=block_n, N_PER_PROG=n_per_prog, BLOCK_R=_block_r(rank),
-        SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
+        BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=_block_r(rank),
+        HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
         IEEE=lora_b.dtype == torch.float32,
         num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
     )

@@ -90,17 +90,22 @@ class PunicaWrapper:
             out.setdefault(key, adapters)
         return out
 
-    def set_decode_layout(self, num_rows: int, num_adapters: int) -> None:
-        """Metadata of a synthetic decode step: num_rows rows over num_adapters slots (0: no LoRA).
+    def set_decode_layout(self, num_rows: int, num_adapters: int, num_sampled: int | None = None) -> None:
+        """Metadata of a synthetic step: num_rows rows over num_adapters slots (0: no LoRA).
 
-        For capturing CUDA graphs before traffic: a capture depends on the
-        launch parameters only, not on which weights the slots hold.
+        For warming up before traffic (compiling kernels, capturing CUDA
+        graphs): both depend on the launch parameters only, not on which
+        weights the slots hold. num_sampled rows (default: all, as in decode)
+        go through the LM head.
         """
-        slots = torch.tensor([i % num_adapters if num_adapters else -1 for i in range(num_rows)],
-                             dtype=torch.int32).to(self.device)
-        self.token_meta.update(slots, num_adapters)
-        self.sampler_meta.update(slots, num_adapters)
-        self.is_prefill = False
+        def slots(n: int) -> torch.Tensor:
+            ids = [i % num_adapters if num_adapters else -1 for i in range(n)]
+            return torch.tensor(ids, dtype=torch.int32).to(self.device)
+
+        sampled = num_rows if num_sampled is None else num_sampled
+        self.token_meta.update(slots(num_rows), num_adapters)
+        self.sampler_meta.update(slots(sampled), min(num_adapters, sampled))
+        self.is_prefill = num_sampled is not None
 
     # ---- the ops --------------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ One program handles BLOCK_Q query tokens of one sequence for one query head
 and streams the sequence's cache blocks with an online softmax (flash
 attention), so a decode token and a 500-token prefill chunk share a launch.
 The grid depends only on host-known sizes (number of sequences, the step's
-longest query), so a decode step can be captured in a CUDA graph.
+longest query), so a decode step can be captured in a CUDA graph. A pure
+decode step (one token per sequence) takes a second kernel that reads each
+K/V block once per GQA group instead of once per query head.
 """
 
 from __future__ import annotations
@@ -94,6 +96,72 @@ def _paged_attention_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    seq_lens_ptr, block_tables_ptr,
+    scale,
+    sq_t, sq_h,
+    sk_b, sk_s, sk_h,
+    so_t, so_h,
+    sbt_s,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    """A pure decode step (token i = sequence i): one program per (sequence, kv head).
+
+    The program holds every query head of its GQA group as the rows of one
+    tile, so each K/V block is read once for the group (not once per query
+    head), and it streams BLOCK_N keys (several cache blocks) per iteration.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq.to(tl.int64) * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    pos_q = seq_len - 1
+    kv_begin = 0
+    if WINDOW > 0:
+        kv_begin = tl.maximum(pos_q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(kv_begin, seq_len, BLOCK_N):
+        pos_k = start + offs_n
+        k_mask = pos_k < seq_len
+        block = tl.load(block_tables_ptr + seq * sbt_s + pos_k // BLOCK_SIZE, mask=k_mask, other=0).to(tl.int64)
+        kv_off = block[:, None] * sk_b + (pos_k % BLOCK_SIZE)[:, None] * sk_s + kv_head * sk_h + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        allowed = k_mask[None, :]
+        if WINDOW > 0:
+            allowed = allowed & (pos_k[None, :] > pos_q - WINDOW)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + seq.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_query_len: int,
                     out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
@@ -110,6 +178,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"block_size must be a power of two >= 16 for the Triton path, got {block_size}")
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if max_query_len == 1 and num_tokens == num_seqs:  # pure decode: the GQA-grouped kernel
+        group = num_heads // num_kv_heads
+        _paged_decode_kernel[(num_seqs, num_kv_heads)](
+            q, k_cache, v_cache, out, seq_lens, block_tables, float(scale),
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            out.stride(0), out.stride(1),
+            block_tables.stride(0),
+            QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+            BLOCK_N=max(64, block_size), HEAD_DIM=head_dim, BLOCK_D=block_d, WINDOW=sliding_window or 0,
+            IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        )
+        return out
     block_q = 16 if max_query_len <= 16 else 32 if max_query_len <= 64 else 64
     grid = (num_seqs, triton.cdiv(max(max_query_len, 1), block_q), num_heads)
     _paged_attention_kernel[grid](
@@ -121,7 +203,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, WINDOW=sliding_window or 0,
+        BLOCK_D=block_d, BLOCK_Q=block_q, WINDOW=sliding_window or 0,
         IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )

@@ -46,8 +46,8 @@ def _kwargs(**extra):
 
 
 def test_padded_static_decode_equals_eager(demo, loras):
-    eager = LLM(str(demo.model_dir), **_kwargs())
-    padded = LLM(str(demo.model_dir), **_kwargs())
+    eager = LLM(str(demo.model_dir), **_kwargs(enforce_eager=True))
+    padded = LLM(str(demo.model_dir), **_kwargs(enforce_eager=True))
     runner = padded.engine.executor.runner
     graphs = runner.build_decode_graphs(capture=False)
     seen = []
@@ -101,3 +101,13 @@ def test_cuda_graphs_equal_eager_on_gpu(demo, loras):
         assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
         for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
             assert max(abs(lw[t] - lg.get(t, float("inf"))) for t in lw) < 1e-3
+
+
+def test_synthetic_warm_up_step_runs_every_layout(demo):
+    """The warm-up's synthetic prefill (GPU: compiles kernels before traffic) gives finite logits."""
+    llm = LLM(str(demo.model_dir), **_kwargs())
+    runner = llm.engine.executor.runner
+    for tokens, adapters in ((16, 0), (48, 1), (40, 4)):
+        logits = runner.synthetic_step(tokens, adapters)
+        assert logits.shape == (1, runner.model_config.vocab_size) and torch.isfinite(logits).all()
+        assert runner.punica.token_meta.num_rows == tokens and runner.punica.sampler_meta.num_rows == 1

@@ -95,8 +95,10 @@ def test_fewer_slots_than_adapters_still_exact(demo, batch, hf_reference):
 
 @pytest.mark.parametrize("fully_sharded", [False, True], ids=["replicated", "fully_sharded"])
 def test_tensor_parallel_matches_hf_peft(demo, batch, hf_reference, fully_sharded):
+    # NCCL over two GPUs where there are two (the 2 x H200 device), else gloo over CPU processes
+    device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
     llm = LLM(str(demo.model_dir), tensor_parallel_size=2, enable_lora=True, max_loras=4, max_lora_rank=32,
-              fully_sharded_loras=fully_sharded, dtype="float32")
+              fully_sharded_loras=fully_sharded, dtype="float32", device=device)
     try:
         _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
     finally:

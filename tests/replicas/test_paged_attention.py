@@ -74,3 +74,35 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="block_size"):
         paged_attention(torch.zeros(1, 2, 16), torch.zeros(2, 12, 2, 16), torch.zeros(2, 12, 2, 16),
                         torch.tensor([0, 1], dtype=torch.int32), one + 1, torch.zeros(1, 1, dtype=torch.int32), 1.0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (8, 1, 48), (32, 8, 128)])
+def test_pure_decode_step_matches_dense(heads, kv_heads, head_dim, dtype, window):
+    """One token per sequence takes the GQA-grouped decode kernel: contexts of 1 to 150 tokens."""
+    g = torch.Generator().manual_seed(heads + head_dim)
+    block_size, num_blocks = 16, 64
+    lens = [1, 16, 17, 64, 65, 150]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(math.ceil(n / block_size) for n in lens)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        for j in range(math.ceil(n / block_size)):
+            tables[i, j] = free.pop()
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    out = paged_attention(
+        q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype),
+        torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables.to(DEVICE), scale, 1,
+        sliding_window=window).float().cpu()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(lens):
+        blocks = tables[i, : math.ceil(n / block_size)].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].to(dtype).float()
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].to(dtype).float()
+        want = _dense(q[i : i + 1].to(dtype).float(), k, v, n - 1, scale, window)
+        torch.testing.assert_close(out[i : i + 1], want, atol=tol, rtol=tol)

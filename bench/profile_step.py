@@ -1,0 +1,89 @@
+"""Where an engine step's time goes: torch.profiler over a window of steps of the engine benchmark's workload.
+
+Builds the same engine as bench/engine.py (Llama-3-8B shape, dummy weights, one
+adapter of rank R for every request, or none with --rank 0), runs the
+closed-loop workload until it is steady, then profiles --steps steps and prints
+the mixed (prefill + decode) and pure-decode step times and the top operators
+by device and by host time.
+
+    python bench/profile_step.py --rank 16 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.engine_workload import LLAMA3_8B, TINY, AdapterPools, make_requests, write_model_dir  # noqa: E402
+from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
+from replicas.sampling_params import SamplingParams  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true")
+    a = p.parse_args(argv)
+    shape = TINY if a.tiny else LLAMA3_8B
+    work = Path(tempfile.mkdtemp())
+    model_dir = write_model_dir(work / "model", shape)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    lora = AdapterPools(work / "lora", shape, dtype, 1).pool("one", a.rank, 1)[0] if a.rank else None
+    engine = LLMEngine(EngineArgs(model=str(model_dir), enable_lora=a.rank > 0, max_loras=a.concurrency,
+                                  max_lora_rank=max(a.rank, 1), num_kv_blocks=a.concurrency * 64 + 8,
+                                  max_num_seqs=max(64, a.concurrency), enable_prefix_caching=False,
+                                  load_format="dummy", enforce_eager=a.enforce_eager))
+    reqs = make_requests(4 * a.concurrency, (8, 512), (8, 512), shape["vocab_size"], None, seed=0)
+    it = iter(reqs)
+    kinds: dict[str, list[float]] = {"mixed": [], "decode": []}
+    make_input = engine._step_input
+    last = {}
+
+    def recording(out):
+        last["prefill"] = any(s.is_prefill for s in out.scheduled)
+        return make_input(out)
+
+    engine._step_input = recording
+
+    def step() -> None:
+        while len(engine.scheduler.running) + len(engine.scheduler.waiting) < a.concurrency:
+            r = next(it)
+            engine.add_request(str(id(r)), {"prompt_token_ids": r.prompt_ids},
+                               SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True), lora)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        kinds["mixed" if last.get("prefill") else "decode"].append(time.perf_counter() - start)
+
+    for _ in range(60):
+        step()
+    kinds = {"mixed": [], "decode": []}
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                    if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(a.steps):
+            step()
+    for kind, times in kinds.items():
+        if times:
+            times.sort()
+            print(f"{kind:7} steps {len(times):3}  median {1e3 * times[len(times) // 2]:8.2f} ms  "
+                  f"sum {1e3 * sum(times):8.1f} ms")
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
