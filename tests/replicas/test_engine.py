@@ -149,7 +149,9 @@ def test_kv_cache_sized_from_memory_budget(demo):
 def test_waiting_request_adapter_is_prefetched(demo, lora_requests):
     """max_num_seqs=1: while the first request decodes, the next one's adapter is loaded into a free slot."""
     first, second = lora_requests[0], lora_requests[1]
-    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", max_num_seqs=1)
+    small = dict(kv_cache_memory_bytes=16 << 20)  # two engines live at once: neither may take a GPU's memory
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", max_num_seqs=1,
+              **small)
     engine, manager = llm.engine, llm.engine.executor.runner.lora_manager
     engine.add_request("a", PROMPTS[0], _greedy(6), first)
     engine.add_request("b", PROMPTS[1], _greedy(6), second)
@@ -160,7 +162,7 @@ def test_waiting_request_adapter_is_prefetched(demo, lora_requests):
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = out
-    free = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32")
+    free = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", **small)
     want = free.generate([PROMPTS[0], PROMPTS[1]], _greedy(6), [first, second])
     assert [outputs["a"].outputs[0].token_ids, outputs["b"].outputs[0].token_ids] == \
         [w.outputs[0].token_ids for w in want]
