@@ -172,7 +172,36 @@ class LoRAModelManager:
             self._check_layer(where, name, layer, self.specs[spec_name], index)
             grouped.setdefault(spec_name, [None] * len(self.specs[spec_name].out_slices))[index] = layer
         modules = {name: self._prepare_module(self.specs[name], layers) for name, layers in grouped.items()}
-        return _HostAdapter(lora.id, lora.rank, modules)
+        return _HostAdapter(lora.id, lora.rank, self._to_host(modules))
+
+    def _to_host(self, modules: dict[str, tuple[torch.Tensor, list[_SliceWrite]]]
+                 ) -> dict[str, tuple[torch.Tensor, list[_SliceWrite]]]:
+        """Contiguous copies of every tensor, in the slot dtype, carved from ONE host allocation.
+
+        Pinned (for asynchronous host-to-device copies) when the slots live on
+        CUDA. Pinning is a driver call that costs far more than the copy for
+        small tensors: one per adapter, not one per tensor (an 8B-shaped
+        adapter has some 450 of them).
+        """
+        tensors: list[tuple[torch.Tensor, torch.dtype]] = []
+        for ranks, writes in modules.values():
+            tensors.append((ranks, torch.int32))
+            for w in writes:
+                tensors += [(w.a, self.dtype), (w.b, self.dtype)] + ([(w.bias, self.dtype)] if w.bias is not None else [])
+        sizes = [t.numel() * torch.empty((), dtype=d).element_size() for t, d in tensors]
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + -(-size // 64) * 64)  # 64-byte aligned, so every dtype can view its slice
+        slab = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=self._pin_host)
+        copies = iter([slab[start:start + size].view(d).view(tuple(t.shape)).copy_(t)
+                       for (t, d), start, size in zip(tensors, starts, sizes)])
+        out = {}
+        for name, (_, writes) in modules.items():
+            ranks = next(copies)
+            out[name] = (ranks, [dataclasses.replace(w, a=next(copies), b=next(copies),
+                                                     bias=next(copies) if w.bias is not None else None)
+                                 for w in writes])
+        return out
 
     def _check_layer(self, where: str, name: str, layer: LoRALayerWeights, spec: LoRAModuleSpec,
                      index: int) -> None:
@@ -205,17 +234,10 @@ class LoRAModelManager:
                     a = a[:, :max(0, min(dims.rank_a, layer.rank - self.tp_rank * dims.rank_a))]
                 b = shard_lora_b(layer.lora_b, **cut, fully_sharded=fs)
                 bias = shard_lora_bias(layer.bias, **cut, fully_sharded=fs)
-                writes.append(_SliceWrite(index, self._host_copy(a if dims.is_embedding else a.t()),
-                                          self._host_copy(b.t()), offset,
-                                          None if bias is None else self._host_copy(bias)))
+                writes.append(_SliceWrite(index, a if dims.is_embedding else a.t(), b.t(), offset, bias))
                 ranks[index] = local_rank(layer.rank, **cut, max_rank=self.config.max_lora_rank, fully_sharded=fs)
             offset += dims.out_slices[index]
-        return self._host_copy(torch.tensor(ranks, dtype=torch.int32), torch.int32), writes
-
-    def _host_copy(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A contiguous CPU copy in the slot dtype, pinned when the slots live on CUDA."""
-        out = torch.empty(tuple(t.shape), dtype=dtype or self.dtype, pin_memory=self._pin_host)
-        return out.copy_(t)
+        return torch.tensor(ranks, dtype=torch.int32), writes  # host copies: _to_host
 
     # ---- GPU tier -------------------------------------------------------------------
 
