@@ -137,13 +137,27 @@ class LoRAModelManager:
         The adapter is validated and prepared before anything is evicted, so a
         bad adapter leaves the caches as they were.
         """
-        if isinstance(lora.id, bool) or not isinstance(lora.id, int) or lora.id < 1:
-            raise LoRAConfigError(f"a LoRA adapter id must be an integer > 0, got {lora.id!r}")
         if lora.id in self._host:
             self._host.touch(lora.id)
             return False
-        prepared = self._prepare(lora)
-        self._host.put(lora.id, prepared)
+        return self.add_prepared(self.prepare_adapter(lora))
+
+    def prepare_adapter(self, lora: LoRAModel) -> _HostAdapter:
+        """Validate ``lora`` against the slots and copy it into (pinned) host memory, in slot layout.
+
+        Touches no cache state, so it may run on a loader thread while steps
+        run; add_prepared then registers the result.
+        """
+        if isinstance(lora.id, bool) or not isinstance(lora.id, int) or lora.id < 1:
+            raise LoRAConfigError(f"a LoRA adapter id must be an integer > 0, got {lora.id!r}")
+        return self._prepare(lora)
+
+    def add_prepared(self, prepared: _HostAdapter) -> bool:
+        """Register a prepare_adapter result in the host LRU; False if that id was already there."""
+        if prepared.id in self._host:
+            self._host.touch(prepared.id)
+            return False
+        self._host.put(prepared.id, prepared)
         return True
 
     def remove_adapter(self, lora_id: int) -> bool:

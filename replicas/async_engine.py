@@ -254,7 +254,8 @@ class AsyncLLMEngine:
             if out.finished:
                 del self._streams[out.request_id]
                 self._aborting.discard(out.request_id)
-            stream.put(out)
+            # a request that failed after it was accepted (its adapter's background load): its consumer gets the error
+            stream.put(out.error if out.error is not None else out)
         for request_id in self._aborting:  # aborted but not reported by the engine: end them here
             stream = self._streams.pop(request_id, None)
             if stream is not None:

@@ -94,23 +94,89 @@ class LLMEngine:
                                                is not None else ())
         self._requests: dict[str, _Request] = {}
         self._loras: dict[str, LoRARequest] = {}
+        # Adapters named by requests load in the background while other requests run; their
+        # requests wait here, outside the scheduler, until the load ends.
+        self._loading: dict[int, LoRARequest] = {}
+        self._parked: dict[int, list[Sequence]] = {}
+        self._aborted_parked: list[Sequence] = []
 
     # ---- adapters ---------------------------------------------------------------------------
 
     def add_lora(self, request: LoRARequest) -> None:
         """Load and validate an adapter on every rank; a bad adapter raises and changes nothing."""
+        if self._start_load(request):
+            self._finish_load(request.lora_int_id)
+
+    def _start_load(self, request: LoRARequest) -> bool:
+        """Check the request against what is registered; start loading it if new. True: a load is in flight."""
         known = self._loras.get(request.lora_name)
         if known is not None:
             if known != request:
                 raise InvalidRequestError([("lora_request", f"adapter {request.lora_name!r} is already registered "
                                             f"as id {known.lora_int_id} at {known.lora_path}")])
-            return
+            return False
         if self.lora_config is None:
             raise InvalidRequestError([("lora_request", "this engine was started without enable_lora")])
-        if any(r.lora_int_id == request.lora_int_id for r in self._loras.values()):
-            raise InvalidRequestError([("lora_request", f"lora_int_id {request.lora_int_id} is already in use")])
-        self.executor.call("add_lora", request)
+        loading = self._loading.get(request.lora_int_id)
+        if loading is not None:
+            if loading != request:
+                raise InvalidRequestError([("lora_request", f"lora_int_id {request.lora_int_id} is being loaded "
+                                            f"as {loading.lora_name!r} from {loading.lora_path}")])
+            return True
+        if any(r.lora_int_id == request.lora_int_id or r.lora_name == request.lora_name
+               for r in self._loras.values()) or any(r.lora_name == request.lora_name for r in self._loading.values()):
+            raise InvalidRequestError([("lora_request", f"lora_int_id {request.lora_int_id} or name "
+                                        f"{request.lora_name!r} is already in use")])
+        self.executor.call("start_lora_load", request)
+        self._loading[request.lora_int_id] = request
+        return True
+
+    def _finish_load(self, lora_id: int, wait_for_room: bool = False) -> bool:
+        """Wait for one background load and register it on every rank; raises its error (nothing registered).
+
+        wait_for_room: False (and nothing done) while the host cache is full of
+        adapters that running requests use; the load is kept for a later step.
+        """
+        request = self._loading[lora_id]
+        try:
+            if self.executor.call("finish_lora_load", lora_id, wait_for_room) is None:
+                return False
+        except BaseException:
+            del self._loading[lora_id]
+            raise
+        del self._loading[lora_id]
         self._loras[request.lora_name] = request
+        return True
+
+    def _collect_loads(self, block: bool) -> list[RequestOutput]:
+        """Admit the requests whose adapters finished loading; fail those whose adapter is broken.
+
+        block: nothing else can run, so wait for the oldest load that requests wait on, rather than spin.
+        """
+        if not self._loading:
+            return []
+        done = self.executor.call("lora_loads_done")
+        if block and not done:
+            done = [next(i for i in self._loading if self._parked.get(i))]
+        failed = []
+        for lora_id in done:
+            try:
+                # Room in the host cache frees up as running requests finish: wait for it while any run.
+                if not self._finish_load(lora_id, wait_for_room=self.scheduler.has_unfinished()):
+                    continue
+            except LoRAError as exc:  # the adapter's own problem: its requests fail, nothing else does
+                error = InvalidRequestError([("lora_request", str(exc))])
+                error.__cause__ = exc
+                failed += [self._failed(seq, error) for seq in self._parked.pop(lora_id, [])]
+                continue
+            for seq in self._parked.pop(lora_id, []):
+                self.scheduler.add(seq)
+        return failed
+
+    def _failed(self, seq: Sequence, error: Exception) -> RequestOutput:
+        state = self._requests.pop(seq.request_id)
+        return RequestOutput(seq.request_id, state.prompt, list(seq.prompt_token_ids),
+                             [CompletionOutput(0, "", [], None, "error")], True, state.lora_name, error)
 
     def remove_lora(self, name: str) -> bool:
         request = self._loras.get(name)
@@ -152,13 +218,19 @@ class LLMEngine:
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise InvalidRequestError([("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")])
         text, ids = self._tokenize(prompt)
+        if request_id in self._requests:
+            raise InvalidRequestError([("request_id", f"request_id {request_id!r} is already in use")])
+        loading = False
         if lora_request is not None:
             try:
-                self.add_lora(lora_request)
+                loading = self._start_load(lora_request)
             except LoRAError as exc:  # the adapter's own problem, for this request only
                 raise InvalidRequestError([("lora_request", str(exc))]) from exc
         seq = Sequence(request_id, ids, params, lora_request, eos_token_ids=self._eos)
-        self.scheduler.add(seq)
+        if loading:  # a broken adapter fails this request later, as an output with .error
+            self._parked.setdefault(lora_request.lora_int_id, []).append(seq)
+        else:
+            self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
                                        skip_special_tokens=params.skip_special_tokens,
                                        include_stop_str_in_output=params.include_stop_str_in_output)
@@ -179,17 +251,27 @@ class LLMEngine:
         raise InvalidRequestError([("prompt", "must be a string or {'prompt_token_ids': [...]}")])
 
     def abort(self, request_id: str) -> bool:
+        for parked in self._parked.values():
+            for seq in parked:
+                if seq.request_id == request_id:
+                    parked.remove(seq)
+                    seq.set_finished("abort")
+                    self._aborted_parked.append(seq)  # reported by the next step
+                    return True
         seq = self.scheduler.abort(request_id)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(self._parked.values()) or bool(self._aborted_parked)
 
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        idle = not self.scheduler.has_unfinished() and not self._aborted_parked
+        failed = self._collect_loads(block=idle and any(self._parked.values()))
         out = self.scheduler.schedule()
-        touched: dict[str, Sequence] = {}
+        touched: dict[str, Sequence] = {seq.request_id: seq for seq in self._aborted_parked}
+        self._aborted_parked = []
         if out.scheduled:
             samplers = [s.seq for s in out.scheduled if s.samples]
             logits = self.executor.execute(self._step_input(out))
@@ -219,7 +301,7 @@ class LLMEngine:
         for seq in touched.values():
             if seq.is_finished:
                 self._requests.pop(seq.request_id, None)
-        return results
+        return failed + results
 
     def _prefetch(self) -> None:
         if self.lora_config is not None:

@@ -9,12 +9,13 @@ ranks after the LM head's all-gather).
 from __future__ import annotations
 
 import gc
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from lora_core.config import LoRAConfig
-from lora_core.errors import UnknownLoRAError
+from lora_core.errors import LoRACapacityError, UnknownLoRAError
 from lora_core.lora_model import LoRAModel
 from lora_core.mapping import LoRAMapping
 from lora_core.model_manager import LoRAModelManager
@@ -81,6 +82,8 @@ class ModelRunner:
         self.lora_manager: LoRAModelManager | None = None
         self.punica: PunicaWrapper | None = None
         self._lora_requests: dict[int, LoRARequest] = {}
+        self._loads: dict[int, tuple[LoRARequest, Future]] = {}  # background loads (start_lora_load)
+        self._loader: ThreadPoolExecutor | None = None
         if cfg.lora_config is not None:  # slots first, so the KV budget sees their memory as used
             self._setup_lora(cfg)
         self.num_blocks = self._num_kv_blocks()
@@ -143,12 +146,52 @@ class ModelRunner:
 
     def add_lora(self, request: LoRARequest) -> int:
         """Load, validate and register an adapter in the host LRU; returns its rank."""
+        self.start_lora_load(request)
+        return self.finish_lora_load(request.lora_int_id)
+
+    def start_lora_load(self, request: LoRARequest) -> None:
+        """Read, validate and prepare an adapter (disk to pinned host memory) on a loader thread.
+
+        Steps keep running meanwhile; finish_lora_load registers it. A second
+        start for an id already loading is a no-op.
+        """
         if self.lora_manager is None:
             raise UnknownLoRAError("this engine was started without enable_lora")
+        if request.lora_int_id not in self._loads:
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lorafleet-lora-load")
+            self._loads[request.lora_int_id] = (request, self._loader.submit(self._load_prepared, request))
+
+    def _load_prepared(self, request: LoRARequest):
         lora = self._load(request)
-        self._lora_requests[request.lora_int_id] = request
-        self.lora_manager.add_adapter(lora)
-        return lora.rank
+        return lora.rank, self.lora_manager.prepare_adapter(lora)
+
+    def lora_loads_done(self) -> list[int]:
+        """Ids whose background load has finished (successfully or not), oldest first."""
+        return [lora_id for lora_id, (_, future) in self._loads.items() if future.done()]
+
+    def finish_lora_load(self, lora_id: int, wait_for_room: bool = False) -> int | None:
+        """Wait for the load of lora_id, register it and return its rank; raises the load's typed error.
+
+        wait_for_room: when the host cache is full of adapters the running batch
+        uses, keep the loaded adapter and return None (call again after a step)
+        instead of raising LoRACapacityError.
+        """
+        request, future = self._loads[lora_id]
+        try:
+            rank, prepared = future.result()
+            self.lora_manager.add_prepared(prepared)
+        except LoRACapacityError:
+            if wait_for_room:
+                return None
+            del self._loads[lora_id]
+            raise
+        except BaseException:
+            del self._loads[lora_id]
+            raise
+        del self._loads[lora_id]
+        self._lora_requests[lora_id] = request
+        return rank
 
     def _load(self, request: LoRARequest) -> LoRAModel:
         return LoRAModel.from_local_checkpoint(

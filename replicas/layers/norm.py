@@ -1,10 +1,22 @@
-"""Pointwise layers of the Llama block: RMSNorm (optionally fused with the residual add) and SiluAndMul."""
+"""Pointwise layers of the Llama block: RMSNorm (optionally fused with the residual add) and SiluAndMul.
+
+Each layer's forward_native is the plain-torch definition; forward runs the
+fused Triton kernel of replicas.kernels.fused instead when fused_ops(x) says so.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def fused_ops(x: torch.Tensor):
+    """replicas.kernels.fused when its kernels should run on x (x on CUDA and LORAFLEET_FUSED_OPS=1), else None."""
+    if not x.is_cuda:
+        return None
+    from replicas.kernels import fused  # imported here: triton is optional off the GPU
+    return fused if fused.enabled() else None
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +38,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        fused = fused_ops(x)
+        if fused is None:
+            return self.forward_native(x, residual)
+        if residual is None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -36,5 +56,9 @@ class SiluAndMul(nn.Module):
     """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_ops(x)
+        return self.forward_native(x) if fused is None else fused.silu_and_mul(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

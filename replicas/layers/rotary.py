@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from replicas.layers.norm import fused_ops
 from replicas.model_config import ModelConfigError, RopeScaling
 
 
@@ -59,6 +60,13 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = fused_ops(q)
+        if fused is None:
+            return self.forward_native(positions, q, k)
+        return fused.rotary(positions, q, k, self.inv_freq, self.head_dim)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions, q.dtype)
         qh = q.unflatten(-1, (-1, self.head_dim))
         kh = k.unflatten(-1, (-1, self.head_dim))

@@ -37,7 +37,10 @@ def _requests(loras):
 
 
 def _generate(llm, loras):
-    return llm.generate(*_requests(loras))  # one call: every request joins the first step
+    prompts, params, lora_reqs = _requests(loras)
+    for lora in {l.lora_name: l for l in lora_reqs if l is not None}.values():
+        llm.engine.add_lora(lora)  # loaded up front: both engines then schedule (and place KV) alike
+    return llm.generate(prompts, params, lora_reqs)  # one call: every request joins the first step
 
 
 def _kwargs(**extra):

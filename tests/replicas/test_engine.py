@@ -153,6 +153,8 @@ def test_waiting_request_adapter_is_prefetched(demo, lora_requests):
     llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", max_num_seqs=1,
               **small)
     engine, manager = llm.engine, llm.engine.executor.runner.lora_manager
+    engine.add_lora(first)  # registered (host memory), so the second request waits for a slot, not a disk load
+    engine.add_lora(second)
     engine.add_request("a", PROMPTS[0], _greedy(6), first)
     engine.add_request("b", PROMPTS[1], _greedy(6), second)
     engine.step()

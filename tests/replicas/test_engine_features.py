@@ -33,6 +33,13 @@ def make_llm(demo):
     return make
 
 
+def register(engine, lora_list) -> None:
+    """Load the adapters up front: a request naming an unregistered adapter waits for its background
+    load outside the scheduler, and these tests check the scheduler's order from the first step."""
+    for lora in {l.lora_name: l for l in lora_list if l is not None}.values():
+        engine.add_lora(lora)
+
+
 @pytest.fixture(scope="module")
 def llm(make_llm):
     return make_llm()
@@ -338,6 +345,7 @@ def test_preemption_by_recompute_is_lossless(make_llm, loras, prefix_caching):
 
     small = make_llm(num_kv_blocks=5, block_size=16, enable_prefix_caching=prefix_caching)
     engine = small.engine
+    register(engine, lora_list)
     for i, (prompt, p, lora) in enumerate(zip(PROMPTS, params, lora_list)):
         engine.add_request(str(i), prompt, p, lora)
     seqs = dict(engine.scheduler.requests)
@@ -394,6 +402,7 @@ def test_max_loras_one_slot(make_llm, loras):
 
     llm = make_llm(max_loras=1)
     engine = llm.engine
+    register(engine, lora_list)
     for i, (prompt, p, lora) in enumerate(zip(PROMPTS, params, lora_list)):
         engine.add_request(str(i), prompt, p, lora)
     batches: list[set[str]] = []
@@ -420,6 +429,7 @@ def test_abort_between_steps(make_llm, loras):
 
     llm = make_llm(max_num_seqs=3)
     engine = llm.engine
+    register(engine, lora_list)
     for i, lora in enumerate(lora_list):
         engine.add_request(str(i), PROMPTS[i], greedy(10), lora)
     final = {}

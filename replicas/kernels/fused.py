@@ -1,0 +1,299 @@
+"""Fused pointwise ops of the Llama block: one Triton launch where the torch code takes several kernels.
+
+Semantics (each kernel repeats its torch reference's rounding steps, so it
+matches bit for bit up to the order of a float32 sum and ~1 ulp of the libm):
+
+    fused_add_rms_norm(x, r, w, eps) -> (y, h):  h = x + r (in x.dtype),
+        y = w * (h / sqrt(mean(h^2) + eps)).to(x.dtype), the norm in float32
+        (replicas.layers.norm.RMSNorm.forward_native)
+    rms_norm(x, w, eps) -> y                     the same without the add
+    rotary(positions [T], q [T, Hq*D], k [T, Hk*D], inv_freq [D/2], D) -> (q', k'):
+        neox rotate-half with cos/sin of positions * inv_freq computed in
+        float32 and cast to q.dtype before the multiply
+        (replicas.layers.rotary.RotaryEmbedding.forward_native)
+    silu_and_mul(x [..., 2I]) -> silu(x[..., :I]) * x[..., I:]
+        (replicas.layers.norm.SiluAndMul.forward_native)
+    write_kv_cache(k, v [T, Hk, D], k_cache, v_cache [blocks, block_size, Hk, D], slot_mapping [T]):
+        k_cache.view(-1, Hk, D)[slot[t]] = k[t] (same for v), slot -1 skipped
+        (replicas.attention.write_kv)
+
+Every op returns new tensors and leaves its inputs alone (write_kv_cache
+writes only the caches). No op reads anything back to the host and every
+grid depends only on shapes, so all of them can be captured in a CUDA graph.
+
+On CUDA the transcendentals come from libdevice, the CUDA math library that
+torch's own kernels call (Triton's tl.cos/tl.exp may take faster, less exact
+instructions); the interpreter has no libdevice and uses numpy's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_MAX_NORM_BLOCK = 8192  # a row up to this wide stays in registers; wider rows are read twice
+
+
+def enabled() -> bool:
+    """Whether the layers should call these kernels on CUDA tensors (env LORAFLEET_FUSED_OPS=1; off by default)."""
+    return os.environ.get("LORAFLEET_FUSED_OPS", "0") == "1"
+
+
+def _launch_opts(t: torch.Tensor) -> dict:
+    # No mul+add -> fma contraction: torch rounds each product on its own.
+    return {"enable_fp_fusion": False} if t.is_cuda else {}
+
+
+@triton.jit
+def _cos(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.cos(x)
+    else:
+        y = tl.cos(x)
+    return y
+
+
+@triton.jit
+def _sin(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.sin(x)
+    else:
+        y = tl.sin(x)
+    return y
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _rsqrt(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.rsqrt(x)
+    else:
+        y = tl.math.rsqrt(x)
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, inv_n, N, sx, sr, so, sro,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+                     PRECISE: tl.constexpr):
+    """One program per row. A row that fits one block stays in registers; a wider one is read twice.
+
+    The mean is sum * (1/N), as torch's mean reduction computes it."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row, r_row = x_ptr + row * sx, res_ptr + row * sr
+    out_row, ro_row = out_ptr + row * so, res_out_ptr + row * sro
+    dtype = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    if SINGLE_PASS:
+        mask = offs < N
+        h = tl.load(x_row + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            h = (h.to(tl.float32) + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(ro_row + offs, h, mask=mask)
+        hf = h.to(tl.float32)
+        inv = _rsqrt(tl.sum(hf * hf, axis=0) * inv_n + eps, PRECISE)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = w * (hf * inv).to(dtype).to(tl.float32)
+        tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            mask = start + offs < N
+            h = tl.load(x_row + start + offs, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + start + offs, mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+                tl.store(ro_row + start + offs, h, mask=mask)
+            hf = h.to(tl.float32)
+            acc += hf * hf
+        inv = _rsqrt(tl.sum(acc, axis=0) * inv_n + eps, PRECISE)
+        if HAS_RESIDUAL:
+            tl.debug_barrier()  # the second pass reads h back from res_out
+            x_row = ro_row
+        for start in range(0, N, BLOCK):
+            mask = start + offs < N
+            hf = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+            y = w * (hf * inv).to(dtype).to(tl.float32)
+            tl.store(out_row + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., N] as a [rows, N] view (a copy only if it cannot be viewed) with unit stride along N."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    n = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else out
+    r2 = _rows(residual) if residual is not None else x2
+    if x2.shape[0] == 0:
+        return out, res_out
+    out2, ro2 = out.view(-1, n), res_out.view(-1, n)
+    block = min(triton.next_power_of_2(n), _MAX_NORM_BLOCK)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight.contiguous(), out2, ro2, float(eps), 1.0 / n, n,
+        x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=block >= n, PRECISE=x.is_cuda,
+        num_warps=max(1, min(block // 512, 8)), **_launch_opts(x))
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N], weight [N] -> weight * (x / sqrt(mean(x^2, -1) + eps)).to(x.dtype), norm in float32."""
+    return _rms_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., N] -> (rms_norm(h), h) with h = x + residual in x.dtype; both new tensors."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    return _rms_norm(x, residual, weight, eps)
+
+
+@triton.jit
+def _rotate_heads(in_row, out_row, head0, num_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out = x * cos + rotate_half(x) * sin for heads head0.. of one token, every product rounded to x's dtype."""
+    heads = head0 + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = (heads < num_heads)[:, None] & (offs < HALF)[None, :]
+    idx = heads[:, None] * (2 * HALF) + offs[None, :]
+    x1 = tl.load(in_row + idx, mask=mask, other=0.0)
+    x2 = tl.load(in_row + idx + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(out_row + idx, o1.to(dtype), mask=mask)
+    tl.store(out_row + idx + HALF, o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, inv_freq_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads,
+                   sq, sk, sqo, sko,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, Q_PROGRAMS: tl.constexpr,
+                   PRECISE: tl.constexpr):
+    """Program (t, j) rotates BLOCK_H heads of token t: q heads for j < Q_PROGRAMS, then k heads."""
+    tok = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    freqs = tl.load(pos_ptr + tok).to(tl.float32) * tl.load(inv_freq_ptr + offs, mask=offs < HALF, other=0.0)
+    dtype = q_ptr.dtype.element_ty
+    cos = _cos(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
+    sin = _sin(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
+    if j < Q_PROGRAMS:
+        _rotate_heads(q_ptr + tok * sq, q_out_ptr + tok * sqo, j * BLOCK_H, num_q_heads, cos, sin,
+                      HALF, BLOCK_HALF, BLOCK_H)
+    else:
+        _rotate_heads(k_ptr + tok * sk, k_out_ptr + tok * sko, (j - Q_PROGRAMS) * BLOCK_H, num_k_heads, cos, sin,
+                      HALF, BLOCK_HALF, BLOCK_H)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
+           head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T], q [T, Hq*head_dim], k [T, Hk*head_dim] (row strides free, e.g. views of a packed qkv),
+    inv_freq [head_dim/2] float32 -> new (q', k') of q's and k's shapes, neox rotate-half."""
+    if k.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but k is {k.dtype}")
+    num_tokens = positions.numel()
+    q2, k2 = _rows(q.reshape(num_tokens, -1)), _rows(k.reshape(num_tokens, -1))
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
+                                                                                     device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    num_q_heads, num_k_heads = q2.shape[1] // head_dim, k2.shape[1] // head_dim
+    block_half = triton.next_power_of_2(half)
+    block_h = max(1, min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 256 // block_half))
+    q_programs = triton.cdiv(num_q_heads, block_h)
+    grid = (num_tokens, q_programs + triton.cdiv(num_k_heads, block_h))
+    _rotary_kernel[grid](
+        positions.reshape(-1), inv_freq.float().contiguous(), q2, k2, q_out, k_out, num_q_heads, num_k_heads,
+        q2.stride(0), k2.stride(0), q2.shape[1], k2.shape[1],
+        HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, Q_PROGRAMS=q_programs, PRECISE=q.is_cuda,
+        num_warps=2, **_launch_opts(q))
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * sx + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    act = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(gate.dtype)  # F.silu rounds to the dtype
+    tl.store(out_ptr + row * so + offs, (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> new silu(gate) * up [..., I]."""
+    inter = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0 or inter == 0:
+        return out
+    block = min(triton.next_power_of_2(inter), 1024)
+    out2 = out.view(-1, inter)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+        x2, out2, inter, x2.stride(0), out2.stride(0), BLOCK=block, PRECISE=x.is_cuda,
+        num_warps=4, **_launch_opts(x))
+    return out
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads,
+                     sk_t, sk_h, sv_t, sv_h, sc_b, sc_s, sc_h,
+                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    # slot as a vector: the interpreter mis-types a scalar mask combined with a tensor one
+    live = (tl.full((BLOCK_H,), 0, tl.int64) + slot >= 0) & (heads < num_heads)
+    mask = live[:, None] & (offs_d < HEAD_DIM)[None, :]
+    dst = (slot // BLOCK_SIZE) * sc_b + (slot % BLOCK_SIZE) * sc_s + heads[:, None] * sc_h + offs_d[None, :]
+    k = tl.load(k_ptr + tok * sk_t + heads[:, None] * sk_h + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * sv_t + heads[:, None] * sv_h + offs_d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hk, D] -> k_cache, v_cache [num_blocks, block_size, Hk, D] at flat slot slot_mapping[t]
+    (= block * block_size + offset); a slot of -1 (padding) is skipped. Writes the caches in place."""
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share shape and strides")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("k, v and the caches need a unit stride along head_dim")
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(1, min(triton.next_power_of_2(num_heads), 1024 // block_d))
+    _write_kv_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        k, v, k_cache, v_cache, slot_mapping, num_heads,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, num_warps=4)

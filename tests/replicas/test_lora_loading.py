@@ -1,0 +1,105 @@
+"""Adapters named by requests load on a background thread while the engine keeps stepping."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lora_core.request import LoRARequest
+from replicas.errors import InvalidRequestError
+from replicas.llm import LLM
+from replicas.sampling_params import SamplingParams
+
+
+def _greedy(n=6):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture
+def gated(demo):
+    """An engine whose adapter loads wait for gate.set(); counts loads per id."""
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu")
+    runner = llm.engine.executor.runner
+    gate, started, counts = threading.Event(), threading.Event(), {}
+    load = runner._load
+
+    def slow(request):
+        counts[request.lora_int_id] = counts.get(request.lora_int_id, 0) + 1
+        started.set()
+        assert gate.wait(30)
+        return load(request)
+
+    runner._load = slow
+    yield llm, gate, started, counts
+    gate.set()
+
+
+def test_a_load_does_not_stall_running_requests(gated, loras, demo):
+    llm, gate, started, counts = gated
+    engine = llm.engine
+    engine.add_request("base", "The quick brown fox", _greedy(8))
+    engine.step()
+    sql = loras["demo-sql"]
+    engine.add_request("a", "SELECT", _greedy(), sql)
+    engine.add_request("b", "SELECT name", _greedy(), sql)  # same adapter: one load
+    assert started.wait(10)
+    steps = 0
+    done = {}
+    while "base" not in done:  # the base request finishes while the adapter is still loading
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+        steps += 1
+    assert steps >= 7 and "a" not in done and "b" not in done
+    assert engine.has_unfinished_requests()
+    gate.set()
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert counts == {sql.lora_int_id: 1}
+    want = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32",
+               device="cpu").generate(["SELECT", "SELECT name"], _greedy(), [sql, sql])
+    assert [done[r].outputs[0].token_ids for r in ("a", "b")] == [w.outputs[0].token_ids for w in want]
+
+
+def test_a_broken_adapter_fails_only_its_requests(demo, tmp_path):
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu")
+    engine = llm.engine
+    broken = LoRARequest("broken", 7, str(tmp_path))  # no adapter_config.json
+    engine.add_request("ok", "Hello world", _greedy(4))
+    engine.add_request("bad", "Hello", _greedy(4), broken)  # accepted: the load runs in the background
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done["ok"].error is None and len(done["ok"].outputs[0].token_ids) == 4
+    error = done["bad"].error
+    assert isinstance(error, InvalidRequestError) and "adapter_config.json" in str(error)
+    assert done["bad"].outputs[0].finish_reason == "error"
+    assert [r.lora_name for r in engine.list_loras()] == []
+    # the id is free again, and a good adapter under it works
+    good = LoRARequest("good", 7, str(demo.adapters["demo-sql"]))
+    assert llm.generate(["SELECT"], _greedy(3), [good])[0].error is None
+
+
+def test_abort_while_the_adapter_loads(gated, loras):
+    llm, gate, started, _ = gated
+    engine = llm.engine
+    engine.add_request("a", "SELECT", _greedy(), loras["demo-chat"])
+    assert started.wait(10)
+    assert engine.abort("a")
+    outputs = engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("a", "abort")]
+    gate.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.abort("a")
+
+
+def test_a_request_id_in_use_is_refused_before_any_load(gated, loras):
+    llm, gate, started, counts = gated
+    engine = llm.engine
+    engine.add_request("a", "SELECT", _greedy(), loras["demo-chat"])
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("a", "SELECT", _greedy(), loras["demo-sql"])
+    gate.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert set(counts) == {loras["demo-chat"].lora_int_id}
