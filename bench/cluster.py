@@ -4,8 +4,17 @@ Workload: N requests over A registered adapters (copies of the demo adapters und
 distinct names, in a local directory under an allowed root, registered with the
 shared adapter tier without fetching), adapter popularity Zipf(s) in a seeded
 random order; C clients in a closed loop (each sends its next request when its
-previous one returns). 3 replicas with few slots each (max_loras GPU slots,
-max_cpu_loras host LRU entries). The same requests, in the same order, go to:
+previous one returns). Two workloads over the same popularity:
+
+  i.i.d. (--burst 1, the default) -- each request's adapter drawn independently;
+  bursty (--burst K)              -- tenants send bursts: every K consecutive requests name one
+              adapter drawn by Zipf(s) (a batch job, an agent's fan-out, a chat session's turns).
+              The clients take requests in order, so a burst's K requests go out within moments of
+              each other and are in flight together, interleaved with other tenants' bursts; the
+              requests' adapter shares stay Zipf(s), and the load (C requests in flight) is the same.
+
+3 replicas with a GPU's handful of slots each (max_loras GPU slots, 4 by default; max_cpu_loras host
+LRU entries, 8), far fewer than adapters. The same requests, in the same order, go to:
 
   ours     -- cluster.router.AdapterAffinityRouter (the app's router);
   default  -- Ray Serve's default router with model multiplexing: the replica loads
@@ -32,7 +41,9 @@ of one adapter on a replica (see BenchReplica._serialize_adapter_loads; --no-loa
 Prints a table, ratios ours/default and ours/random and the targets (origin fetches == distinct
 adapters requested; slot hit rate >= 1.5 x Ray's default), and writes CSV to $OUT (or bench/out).
 
-    python bench/cluster.py [--quick]
+The workload, the driver and the table live in bench/cluster_workload.py.
+
+    python bench/cluster.py [--quick] [--burst K] [--router-kwargs JSON]
 """
 
 from __future__ import annotations
@@ -40,11 +51,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import math
+import json
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -60,11 +70,10 @@ from ray.serve.request_router import RequestRouter  # noqa: E402
 
 from cluster.deployments import LoRAReplica  # noqa: E402
 from cluster.server import GenerateRequest  # noqa: E402
+from bench.cluster_workload import (BASE_MODEL, make_adapters, print_table, ratio, run_router,  # noqa: E402
+                                    tier_name, top_share, zipf_requests)
 
-BASE_MODEL = "lorafleet-demo"
 ROUTERS = ("ours", "default", "random")
-PROMPTS = ("The quick brown fox", "SELECT name FROM users WHERE", "Summarize the report:",
-           "def add(a, b):", "Translate to French: good morning", "Once upon a time")
 
 
 # ---- the replica, instrumented ----------------------------------------------------------------
@@ -170,65 +179,6 @@ class RandomRouter(RequestRouter):
         return [[r] for r in order]
 
 
-# ---- workload -----------------------------------------------------------------------------------
-
-
-def make_adapters(root: Path, count: int) -> dict[str, str]:
-    """count copies of the demo adapters under distinct names in root: name -> directory."""
-    from replicas.demo_checkpoint import ensure_demo_checkpoint
-
-    demo = ensure_demo_checkpoint()
-    sources = [demo.adapters[name] for name in sorted(demo.adapters)]
-    adapters = {}
-    for i in range(count):
-        dest = root / f"bench-{i:03d}"
-        if not dest.exists():
-            shutil.copytree(sources[i % len(sources)], dest)
-        adapters[dest.name] = str(dest)
-    return adapters
-
-
-def zipf_requests(names: list[str], n: int, s: float, max_tokens: int, seed: int) -> list[GenerateRequest]:
-    rng = random.Random(seed)
-    ranked = list(names)
-    rng.shuffle(ranked)  # popularity rank -> adapter, so the hot ones are not all copies of one demo adapter
-    weights = [1.0 / (k + 1) ** s for k in range(len(ranked))]
-    picks = rng.choices(ranked, weights=weights, k=n)
-    return [GenerateRequest(model=a, sampling=dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                            prompt=rng.choice(PROMPTS), request_id=f"bench-{i}") for i, a in enumerate(picks)]
-
-
-async def closed_loop(handle, requests: list[GenerateRequest], clients: int, multiplexed: bool
-                      ) -> tuple[list[dict], list[float], float]:
-    results: list[dict | None] = [None] * len(requests)
-    latencies: list[float] = [0.0] * len(requests)
-    next_index = iter(range(len(requests)))
-
-    async def client() -> None:
-        for i in next_index:
-            req = requests[i]
-            h = handle.options(multiplexed_model_id=req.model) if multiplexed and req.model != BASE_MODEL else handle
-            t0 = time.perf_counter()
-            results[i] = await h.run.remote(req)
-            latencies[i] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return results, latencies, time.perf_counter() - t0
-
-
-def find_actor(name: str):
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["name"] == name:
-            return ray.get_actor(name, namespace=entry["namespace"])
-    raise RuntimeError(f"no actor named {name!r}")
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 # ---- one router ---------------------------------------------------------------------------------
 
 
@@ -245,7 +195,8 @@ def build_router_app(router: str, args, root: Path):
     if router == "ours":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="cluster.router.AdapterAffinityRouter",
-            request_router_kwargs={"seed": args.seed}, request_routing_stats_period_s=args.stats_period)
+            request_router_kwargs={"seed": args.seed, **json.loads(args.router_kwargs)},
+            request_routing_stats_period_s=args.stats_period)
     elif router == "random":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=RandomRouter, request_router_kwargs={"seed": args.seed})
@@ -254,93 +205,21 @@ def build_router_app(router: str, args, root: Path):
     deployment = serve.deployment(cls, name="LoRAReplica").options(**options)
     return deployment.bind(server, tier, not args.no_load_lock)
 
-
-def tier_name(router: str) -> str:
-    return f"lorafleet-bench-tier-{router}"
-
-
-def run_router(router: str, handle, args, adapters: dict[str, str], requests: list[GenerateRequest],
-               warmup: list[GenerateRequest]) -> dict[str, Any]:
-    """Register the adapters with the router's tier, warm up on the base model, run the timed loop."""
-    t0 = time.perf_counter()
-    tier_actor = find_actor(tier_name(router))
-    ray.get([tier_actor.register.remote(name, path) for name, path in adapters.items()])  # no fetch yet
-    asyncio.run(closed_loop(handle, warmup, args.clients, False))  # base model: every replica started
-    before = ray.get(tier_actor.metrics.remote())
-    decisions_before = affinity_decisions()
-    setup_s = time.perf_counter() - t0
-    results, latencies, wall = asyncio.run(closed_loop(handle, requests, args.clients, router == "default"))
-    after = ray.get(tier_actor.metrics.remote())
-    decisions = affinity_decisions() - decisions_before if router == "ours" else Counter()
-
-    counts: dict[str, Counter] = {}
-    for r in results:  # each answer carries its replica's running counters
-        c = counts.setdefault(r["replica"], Counter())
-        for key, value in r["counts"].items():
-            c[key] = max(c[key], value)
-    per_replica = Counter(r["replica"] for r in results)
-    holders: dict[str, set] = {}
-    for r in results:
-        holders.setdefault(r["adapter"], set()).add(r["replica"])
-    return dict(
-        router=router, requests=len(results), adapters=len(adapters),
-        distinct=len({r.model for r in requests}),
-        slot_hit=sum(r["slot_hit"] for r in results) / len(results),
-        slot_loads=sum(c["slot_loads"] for c in counts.values()),
-        engine_loads=sum(c["engine_loads"] for c in counts.values()),
-        origin_fetches=after["origin_fetches"] - before["origin_fetches"],
-        tier_hits=after["hits"] - before["hits"],
-        replicas_per_adapter=statistics.mean(len(v) for v in holders.values()),
-        max_replica_share=max(per_replica.values()) / len(results),
-        p50_ms=1e3 * pct(latencies, 0.50), p99_ms=1e3 * pct(latencies, 0.99),
-        req_per_s=len(results) / wall, wall_s=wall, setup_s=setup_s,
-        decisions=" ".join(f"{k}:{v}" for k, v in sorted(decisions.items()) if v))
-
-
-def affinity_decisions() -> Counter:
-    """Decision counts of the AdapterAffinityRouter(s) in this process (Serve routes in the caller's process)."""
-    import gc
-
-    from cluster.router import AdapterAffinityRouter
-
-    total: Counter = Counter()
-    for obj in gc.get_objects():
-        if isinstance(obj, AdapterAffinityRouter):
-            total.update(obj.decisions)
-    return total
-
-
-# ---- report -------------------------------------------------------------------------------------
-
-COLUMNS = (("router", "{:8}", 8), ("requests", "{:>6d}", 6), ("distinct", "{:>5d}", 5), ("slot_hit", "{:>9.3f}", 9),
-           ("slot_loads", "{:>8d}", 8), ("engine_loads", "{:>7d}", 7), ("origin_fetches", "{:>8d}", 8),
-           ("replicas_per_adapter", "{:>8.2f}", 8), ("max_replica_share", "{:>7.2f}", 7),
-           ("p50_ms", "{:>9.1f}", 9), ("p99_ms", "{:>9.1f}", 9), ("req_per_s", "{:>8.1f}", 8))
-HEADERS = ("router", "reqs", "dist", "slot hit", "slot ld", "eng ld", "fetches", "rep/ad", "max sh", "p50 ms",
-           "p99 ms", "req/s")
-
-
-def print_table(rows: list[dict]) -> None:
-    print("".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, (_, _, w)) in enumerate(zip(HEADERS, COLUMNS))))
-    for row in rows:
-        print("".join(fmt.format(row[key]) for key, fmt, _ in COLUMNS), flush=True)
-
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b else (math.inf if a else 1.0)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny version (the test's)")
-    parser.add_argument("--adapters", type=int, help="registered adapters (default 48; quick 24)")
+    parser.add_argument("--adapters", type=int, help="registered adapters (default 96; quick 24)")
     parser.add_argument("--requests", type=int, help="requests per router (default 600; quick 60)")
     parser.add_argument("--clients", type=int, help="closed-loop clients (default 12; quick 6)")
-    parser.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of adapter popularity")
+    parser.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity")
+    parser.add_argument("--burst", type=int, default=1,
+                        help="consecutive requests per adapter draw (1: i.i.d.; K: tenants' bursts of K)")
+    parser.add_argument("--router-kwargs", default="{}",
+                        help="JSON request_router_kwargs for our router (e.g. '{\"busy_fraction\": 0.75}')")
     parser.add_argument("--max-tokens", type=int, help="tokens generated per request (default 16; quick 8)")
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--max-loras", type=int, default=2, help="GPU slots per replica")
-    parser.add_argument("--max-cpu-loras", type=int, default=4, help="host-cache entries per replica")
+    parser.add_argument("--max-loras", type=int, default=4, help="GPU slots per replica")
+    parser.add_argument("--max-cpu-loras", type=int, default=8, help="host-cache entries per replica")
     parser.add_argument("--max-ongoing", type=int, default=16,
                         help="Serve max_ongoing_requests per replica (deploy/config.yaml's)")
     parser.add_argument("--mux-models", type=int, default=0,
@@ -354,26 +233,35 @@ def main() -> None:
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray CPUs (default: all)")
     args = parser.parse_args()
     quick = args.quick
-    args.adapters = args.adapters or (24 if quick else 48)
+    args.adapters = args.adapters or (24 if quick else 96)
     args.requests = args.requests or (60 if quick else 600)
     args.clients = args.clients or (6 if quick else 12)
     args.max_tokens = args.max_tokens or (8 if quick else 16)
     routers = [r for r in args.routers.split(",") if r]
     if unknown := set(routers) - set(ROUTERS):
         parser.error(f"unknown routers {sorted(unknown)}")
+    if args.burst < 1:
+        parser.error("--burst must be >= 1")
+    try:
+        if not isinstance(json.loads(args.router_kwargs), dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        parser.error(f"--router-kwargs must be a JSON object: {e}")
 
     root = Path(tempfile.mkdtemp(prefix="lorafleet-bench-adapters-"))
     adapters = make_adapters(root, args.adapters)
-    requests = zipf_requests(sorted(adapters), args.requests, args.zipf, args.max_tokens, args.seed)
+    requests = zipf_requests(sorted(adapters), args.requests, args.zipf, args.max_tokens, args.seed, args.burst)
     warmup = [GenerateRequest(model=BASE_MODEL, sampling=dict(max_tokens=2, temperature=0.0), prompt="Hi",
                               request_id=f"warm-{i}") for i in range(4 * args.replicas)]
     env = {"OMP_NUM_THREADS": "1"}
     if os.environ.get("LORAFLEET_CACHE"):
         env["LORAFLEET_CACHE"] = os.environ["LORAFLEET_CACHE"]
     print(f"{args.replicas} replicas x (max_loras {args.max_loras}, max_cpu_loras {args.max_cpu_loras}, "
-          f"max_ongoing {args.max_ongoing}); {args.adapters} adapters, Zipf({args.zipf}), {args.requests} requests, "
+          f"max_ongoing {args.max_ongoing}); {args.adapters} adapters, Zipf({args.zipf}), "
+          f"{'i.i.d.' if args.burst == 1 else f'bursts of {args.burst}'}, {args.requests} requests, "
           f"{args.clients} closed-loop clients, {args.max_tokens} tokens each; seed {args.seed}; "
-          f"default router: multiplexed, {args.mux_models or args.max_loras} models per replica", flush=True)
+          f"default router: multiplexed, {args.mux_models or args.max_loras} models per replica; "
+          f"ours' kwargs {args.router_kwargs}", flush=True)
     rows = []
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, namespace="lorafleet-bench",
              runtime_env={"env_vars": env})
@@ -385,7 +273,7 @@ def main() -> None:
                                                   route_prefix=None) for r in routers])
         print(f"  {len(routers)} x {args.replicas} replicas up in {time.perf_counter() - t0:.1f} s", flush=True)
         for router, handle in zip(routers, handles):
-            rows.append(run_router(router, handle, args, adapters, requests, warmup))
+            rows.append({**run_router(router, handle, args, adapters, requests, warmup), "burst": args.burst})
             print(f"  {router}: done in {rows[-1]['wall_s']:.1f} s (+{rows[-1]['setup_s']:.1f} s setup)", flush=True)
     finally:
         t0 = time.perf_counter()
@@ -395,6 +283,9 @@ def main() -> None:
 
     print()
     print_table(rows)
+    slots = args.replicas * args.max_loras
+    print(f"ceiling: the {slots} most requested adapters (one per GPU slot) carry "
+          f"{top_share(requests, slots):.3f} of the requests")
     by = {r["router"]: r for r in rows}
     ours = by.get("ours")
     if ours:

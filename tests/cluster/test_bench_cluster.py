@@ -1,4 +1,5 @@
-"""bench/cluster.py --quick runs end to end on real Ray: one table row per router, finite numbers, a CSV."""
+"""bench/cluster.py --quick runs end to end on real Ray: one table row per router, finite numbers, a CSV;
+and its bursty workload draws bursts of one adapter."""
 
 import csv
 import math
@@ -39,3 +40,18 @@ def test_bench_cluster_quick(tmp_path):
         for key in NUMERIC:
             assert math.isfinite(float(r[key])), (r["router"], key, r[key])
         assert int(r["requests"]) > 0 and 0.0 <= float(r["slot_hit"]) <= 1.0
+
+
+def test_bursty_workload_keeps_the_iid_draws_for_burst_one():
+    from bench.cluster_workload import zipf_requests
+
+    names = [f"a{i:02d}" for i in range(40)]
+    iid = [r.model for r in zipf_requests(names, 50, 1.0, 8, seed=3)]
+    assert [r.model for r in zipf_requests(names, 50, 1.0, 8, seed=3, burst=1)] == iid
+    bursty = [r.model for r in zipf_requests(names, 50, 1.0, 8, seed=3, burst=4)]
+    assert len(bursty) == 50
+    runs = [bursty[i:i + 4] for i in range(0, 50, 4)]
+    assert all(len(set(run)) == 1 for run in runs)  # every burst names one adapter
+    assert len({run[0] for run in runs}) > 1
+    with pytest.raises(ValueError):
+        zipf_requests(names, 10, 1.0, 8, seed=0, burst=0)
