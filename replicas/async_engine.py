@@ -136,7 +136,10 @@ class AsyncLLMEngine:
     # ---- adapters ---------------------------------------------------------------------------
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
-        await self._call(lambda: self.engine.add_lora(lora_request))
+        """Load an adapter; running requests keep streaming while it loads (raises the load's error)."""
+        # The engine loop finishes the load in one of its steps (it steps while a load is awaited).
+        loaded = await self._call(lambda: self.engine.begin_add_lora(lora_request))
+        await asyncio.wrap_future(loaded)
 
     async def remove_lora(self, lora_name: str) -> bool:
         return await self._call(lambda: self.engine.remove_lora(lora_name))

@@ -9,6 +9,7 @@ or finished.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,7 @@ class LLMEngine:
         self._loading: dict[int, LoRARequest] = {}
         self._parked: dict[int, list[Sequence]] = {}
         self._aborted_parked: list[Sequence] = []
+        self._waiters: dict[int, list[Future]] = {}  # begin_add_lora futures, by lora id
 
     # ---- adapters ---------------------------------------------------------------------------
 
@@ -106,6 +108,24 @@ class LLMEngine:
         """Load and validate an adapter on every rank; a bad adapter raises and changes nothing."""
         if self._start_load(request):
             self._finish_load(request.lora_int_id)
+
+    def begin_add_lora(self, request: LoRARequest) -> Future:
+        """add_lora without waiting: the load runs in the background while step() keeps serving.
+
+        The future resolves (None, or add_lora's exception) in the step that
+        finishes the load, so keep stepping while has_unfinished_requests().
+        """
+        future: Future = Future()
+        try:
+            loading = self._start_load(request)
+        except Exception as exc:
+            future.set_exception(exc)
+            return future
+        if loading:
+            self._waiters.setdefault(request.lora_int_id, []).append(future)
+        else:
+            future.set_result(None)
+        return future
 
     def _start_load(self, request: LoRARequest) -> bool:
         """Check the request against what is registered; start loading it if new. True: a load is in flight."""
@@ -141,11 +161,15 @@ class LLMEngine:
         try:
             if self.executor.call("finish_lora_load", lora_id, wait_for_room) is None:
                 return False
-        except BaseException:
+        except BaseException as exc:
             del self._loading[lora_id]
+            for waiter in self._waiters.pop(lora_id, []):
+                waiter.set_exception(exc)
             raise
         del self._loading[lora_id]
         self._loras[request.lora_name] = request
+        for waiter in self._waiters.pop(lora_id, []):
+            waiter.set_result(None)
         return True
 
     def _collect_loads(self, block: bool) -> list[RequestOutput]:
@@ -157,14 +181,14 @@ class LLMEngine:
             return []
         done = self.executor.call("lora_loads_done")
         if block and not done:
-            done = [next(i for i in self._loading if self._parked.get(i))]
+            done = [next(i for i in self._loading if self._parked.get(i) or self._waiters.get(i))]
         failed = []
         for lora_id in done:
             try:
                 # Room in the host cache frees up as running requests finish: wait for it while any run.
                 if not self._finish_load(lora_id, wait_for_room=self.scheduler.has_unfinished()):
                     continue
-            except LoRAError as exc:  # the adapter's own problem: its requests fail, nothing else does
+            except Exception as exc:  # the adapter's own problem: its requests fail, nothing else does
                 error = InvalidRequestError([("lora_request", str(exc))])
                 error.__cause__ = exc
                 failed += [self._failed(seq, error) for seq in self._parked.pop(lora_id, [])]
@@ -262,13 +286,14 @@ class LLMEngine:
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or any(self._parked.values()) or bool(self._aborted_parked)
+        return (self.scheduler.has_unfinished() or any(self._parked.values()) or bool(self._aborted_parked)
+                or any(self._waiters.values()))
 
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         idle = not self.scheduler.has_unfinished() and not self._aborted_parked
-        failed = self._collect_loads(block=idle and any(self._parked.values()))
+        failed = self._collect_loads(block=idle and (any(self._parked.values()) or any(self._waiters.values())))
         out = self.scheduler.schedule()
         touched: dict[str, Sequence] = {seq.request_id: seq for seq in self._aborted_parked}
         self._aborted_parked = []

@@ -103,3 +103,22 @@ def test_a_request_id_in_use_is_refused_before_any_load(gated, loras):
     while engine.has_unfinished_requests():
         engine.step()
     assert set(counts) == {loras["demo-chat"].lora_int_id}
+
+
+def test_begin_add_lora_resolves_in_a_step(gated, loras, tmp_path):
+    llm, gate, started, _ = gated
+    engine = llm.engine
+    engine.add_request("base", "Hello world", _greedy(3))
+    loaded = engine.begin_add_lora(loras["demo-sql"])
+    broken = engine.begin_add_lora(LoRARequest("broken", 9, str(tmp_path)))
+    assert started.wait(10) and not loaded.done()
+    engine.step()  # serving goes on while the adapter loads
+    assert not loaded.done()
+    gate.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert loaded.result(timeout=0) is None
+    assert "demo-sql" in [r.lora_name for r in engine.list_loras()]
+    with pytest.raises(Exception, match="adapter_config.json"):
+        broken.result(timeout=0)
+    assert engine.begin_add_lora(loras["demo-sql"]).result(timeout=0) is None  # already registered
