@@ -28,6 +28,27 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend(q, k, v, allowed, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One online-softmax step of flash attention over a tile of keys: the new (max, sum, accumulator)."""
+    if IEEE:  # float32 caches get float32 products (Triton's default for them is TF32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row may see only masked keys so far (sliding window): keep its sums at 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_ptr, seq_lens_ptr, block_tables_ptr,
@@ -72,25 +93,10 @@ def _paged_attention_kernel(
         kv_off = block * sk_b + offs_n[:, None] * sk_s + kv_head * sk_h + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
-        if IEEE:  # float32 caches get float32 products (Triton's default for them is TF32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         allowed = (pos_k[None, :] <= pos_q[:, None]) & k_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (pos_k[None, :] > pos_q[:, None] - WINDOW)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row may see only masked keys so far (sliding window): keep its sums at 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, IEEE)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_q)[:, None].to(tl.int64) * so_t + head * so_h + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
@@ -139,24 +145,10 @@ def _paged_decode_kernel(
         kv_off = block[:, None] * sk_b + (pos_k % BLOCK_SIZE)[:, None] * sk_s + kv_head * sk_h + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         allowed = k_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (pos_k[None, :] > pos_q - WINDOW)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, IEEE)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + seq.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
