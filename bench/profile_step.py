@@ -1,12 +1,14 @@
 """Where an engine step's time goes: torch.profiler over a window of steps of the engine benchmark's workload.
 
 Builds the same engine as bench/engine.py (Llama-3-8B shape, dummy weights, one
-adapter of rank R for every request, or none with --rank 0), runs the
+adapter of rank R for every request, --adapters N cycled through, or none with
+--rank 0), runs the
 closed-loop workload until it is steady, then profiles --steps steps and prints
 the mixed (prefill + decode) and pure-decode step times and the top operators
 by device and by host time.
 
     python bench/profile_step.py --rank 16 --steps 40
+    python bench/profile_step.py --rank 16 --steps 40 --adapters 200   # every request its own adapter
 """
 
 from __future__ import annotations
@@ -33,18 +35,20 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--adapters", type=int, default=1,
+                   help="adapters the requests cycle through (1: one for all; e.g. 200: distinct, with loads)")
     a = p.parse_args(argv)
     shape = TINY if a.tiny else LLAMA3_8B
     work = Path(tempfile.mkdtemp())
     model_dir = write_model_dir(work / "model", shape)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    lora = AdapterPools(work / "lora", shape, dtype, 1).pool("one", a.rank, 1)[0] if a.rank else None
+    loras = AdapterPools(work / "lora", shape, dtype, 4).pool("p", a.rank, a.adapters) if a.rank else [None]
     engine = LLMEngine(EngineArgs(model=str(model_dir), enable_lora=a.rank > 0, max_loras=a.concurrency,
                                   max_lora_rank=max(a.rank, 1), num_kv_blocks=a.concurrency * 64 + 8,
                                   max_num_seqs=max(64, a.concurrency), enable_prefix_caching=False,
                                   load_format="dummy", enforce_eager=a.enforce_eager))
-    reqs = make_requests(4 * a.concurrency, (8, 512), (8, 512), shape["vocab_size"], None, seed=0)
-    it = iter(reqs)
+    reqs = make_requests(8 * a.concurrency, (8, 512), (8, 512), shape["vocab_size"], None, seed=0)
+    it = iter(enumerate(reqs))
     kinds: dict[str, list[float]] = {"mixed": [], "decode": []}
     make_input = engine._step_input
     last = {}
@@ -56,10 +60,11 @@ def main(argv=None) -> None:
     engine._step_input = recording
 
     def step() -> None:
-        while len(engine.scheduler.running) + len(engine.scheduler.waiting) < a.concurrency:
-            r = next(it)
-            engine.add_request(str(id(r)), {"prompt_token_ids": r.prompt_ids},
-                               SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True), lora)
+        while len(engine._requests) < a.concurrency:  # live requests, those waiting for a load too
+            i, r = next(it)
+            engine.add_request(str(i), {"prompt_token_ids": r.prompt_ids},
+                               SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
+                               loras[i % len(loras)])
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
