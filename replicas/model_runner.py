@@ -174,12 +174,15 @@ class ModelRunner:
         """Wait for the load of lora_id, register it and return its rank; raises the load's typed error.
 
         wait_for_room: when the host cache is full of adapters the running batch
-        uses, keep the loaded adapter and return None (call again after a step)
-        instead of raising LoRACapacityError.
+        uses, keep the loaded adapter and return None (call again after a step).
+        Without it the caller says no step is running: the last step's adapters
+        lose their protection and the least recently used one makes room.
         """
         request, future = self._loads[lora_id]
         try:
             rank, prepared = future.result()
+            if not wait_for_room:
+                self.lora_manager.set_running(())
             self.lora_manager.add_prepared(prepared)
         except LoRACapacityError:
             if wait_for_room:

@@ -122,3 +122,24 @@ def test_begin_add_lora_resolves_in_a_step(gated, loras, tmp_path):
     with pytest.raises(Exception, match="adapter_config.json"):
         broken.result(timeout=0)
     assert engine.begin_add_lora(loras["demo-sql"]).result(timeout=0) is None  # already registered
+
+
+def test_a_load_that_ends_while_the_host_cache_is_busy_waits_for_room(demo, loras):
+    """Host cache of 2, both entries used by running requests when a third adapter's load ends:
+    the loaded adapter waits for room (no failure, no eviction of a running adapter)."""
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=32,
+              dtype="float32", device="cpu")
+    engine = llm.engine
+    engine.add_lora(loras["demo-sql"])
+    engine.add_lora(loras["demo-chat"])
+    engine.add_request("a", "SELECT", _greedy(6), loras["demo-sql"])
+    engine.add_request("b", "Hello", _greedy(6), loras["demo-chat"])
+    engine.step()
+    engine.add_request("c", "Summary:", _greedy(3), loras["demo-summarize"])
+    runner = engine.executor.runner
+    runner._loads[loras["demo-summarize"].lora_int_id][1].result(timeout=30)  # loaded while a, b run
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert {r: (o.error, len(o.outputs[0].token_ids)) for r, o in done.items()} == \
+        {"a": (None, 6), "b": (None, 6), "c": (None, 3)}
