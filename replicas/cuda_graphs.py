@@ -135,7 +135,8 @@ class DecodeGraphs:
         self._forward(self.input_ids[:batch], self.positions[:batch], meta)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: adapter loads on loader threads may pin host memory during a capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(self.input_ids[:batch], self.positions[:batch], meta)
             self.logits[:batch].copy_(logits)
         self._pool = graph.pool()  # every graph shares one pool: only one replays at a time
