@@ -34,6 +34,9 @@ from replicas.errors import EngineDeadError, InvalidRequestError, RequestAborted
 from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.sampling_params import SamplingParams
 
+# How often an idle engine loop looks at background adapter loads (it never blocks on one).
+_LOAD_POLL_S = 0.005
+
 
 @dataclass
 class _Stream:
@@ -190,7 +193,9 @@ class AsyncLLMEngine:
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished_requests() or self._aborting:
-                    self._deliver(self.engine.step())
+                    if self.engine.waiting_only_for_loads() and not self._aborting:
+                        self._nap()  # poll the loads, but stay open to new commands meanwhile
+                    self._deliver(self.engine.step(wait_for_loads=False))
         except BaseException as exc:
             dead = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
             dead.__cause__ = exc
@@ -203,6 +208,12 @@ class AsyncLLMEngine:
                 self.engine.shutdown()
             except Exception:  # already dead; shutting down is best effort
                 pass
+
+    def _nap(self) -> None:
+        """Wait a little, or until a command arrives: nothing runs while adapters load."""
+        with self._cond:
+            if not (self._commands or self._stopping):
+                self._cond.wait(timeout=_LOAD_POLL_S)
 
     def _next_commands(self) -> list[_Command] | None:
         """Wait for work; the pending commands, or None once shutdown was asked for."""

@@ -291,9 +291,14 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        idle = not self.scheduler.has_unfinished() and not self._aborted_parked
-        failed = self._collect_loads(block=idle and (any(self._parked.values()) or any(self._waiters.values())))
+    def waiting_only_for_loads(self) -> bool:
+        """Nothing to compute until an adapter load ends (requests or add_lora callers wait on one)."""
+        return (not self.scheduler.has_unfinished() and not self._aborted_parked
+                and (any(self._parked.values()) or any(self._waiters.values())))
+
+    def step(self, wait_for_loads: bool = True) -> list[RequestOutput]:
+        """One model step. When only adapter loads are pending, wait for one (wait_for_loads) or return."""
+        failed = self._collect_loads(block=wait_for_loads and self.waiting_only_for_loads())
         out = self.scheduler.schedule()
         touched: dict[str, Sequence] = {seq.request_id: seq for seq in self._aborted_parked}
         self._aborted_parked = []

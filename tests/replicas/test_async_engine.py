@@ -240,7 +240,7 @@ def test_step_failure_kills_engine_cleanly(demo, tmp_path):
         stream = engine.generate("Once upon a time", LONG, "r")
         await stream.__anext__()
 
-        def broken_step():
+        def broken_step(**_):
             raise RuntimeError("boom")
 
         engine.engine.step = broken_step
@@ -272,3 +272,31 @@ def test_unknown_sampling_key_is_a_request_error(demo):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_requests_stream_while_an_adapter_loads(demo, loras):
+    """add_lora's disk load runs in the background: a base request arriving meanwhile finishes first."""
+
+    async def body(engine):
+        runner = engine.engine.executor.runner
+        gate, load = threading.Event(), runner._load
+
+        def held(request):
+            assert gate.wait(30)
+            return load(request)
+
+        runner._load = held
+        try:
+            adding = asyncio.ensure_future(engine.add_lora(loras["demo-sql"]))
+            await asyncio.sleep(0.05)
+            base = await asyncio.wait_for(collect(engine, "Hello world", _greedy(4), "base"), 20)
+            assert not adding.done()
+        finally:
+            gate.set()
+        await asyncio.wait_for(adding, 20)
+        sql = await collect(engine, "SELECT", _greedy(4), "sql", loras["demo-sql"])
+        return base, sql
+
+    base, sql = run(demo, body)
+    assert base[-1].finished and len(base[-1].outputs[0].token_ids) == 4
+    assert sql[-1].finished and sql[-1].lora_name == "demo-sql"
