@@ -10,13 +10,9 @@ against the torch reference, then time
             and written) over the device-to-device copy bandwidth measured in
             this run;
   floor  -- a one-kernel CUDA graph replayed the same way (launch floor).
-A second table puts the one-launch decode op (path "bgmv-fused",
-PunicaWrapper(fused_decode_max_tokens=32)) beside the default two-launch path
-for T = 1, 16, 32 (--fused-only: that table alone); --fused-sweep times only
-the fused op's launch configurations, best per case.
-Prints tables with ratios and writes CSV to $OUT (or bench/out).
+Prints a table with ratios and writes CSV to $OUT (or bench/out).
 
-    python bench/kernels.py [--quick] [--fused-only | --fused-sweep]
+    python bench/kernels.py [--quick]
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper  # noqa: E402
-from lora_core.punica import triton_ops  # noqa: E402
 from tests.lora_core.punica_cases import stacked_weights, token_slots  # noqa: E402
 
 SHAPES = {  # name: (in features, output slices)
@@ -47,7 +42,6 @@ TOKENS = (1, 16, 64, 256, 1024, 4096)
 RANKS = (16, 64)
 POPULARITY = ("identical", "uniform", "distinct")
 NUM_SLOTS = 64
-FUSED_TOKENS = (1, 16, 32)
 
 
 def copy_bandwidth() -> float:
@@ -87,13 +81,8 @@ def min_bytes(num_tokens: int, hidden: int, slices: tuple[int, ...], rank: int, 
 
 
 def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw: float, floor_us: float,
-             bgmv_max_tokens: int = 32, adapter_rank: int | None = None, use_pdl: bool | None = None,
-             fused_max_tokens: int = 0, fused_cfg: dict | None = None, time_torch: bool = True):
-    """One case; adapter_rank < rank puts lower-rank adapters in slots sized for rank.
-
-    fused_max_tokens: PunicaWrapper(fused_decode_max_tokens=...); fused_cfg: call the
-    fused op directly with these launch parameters (triton_ops.fused_config's keys).
-    """
+             bgmv_max_tokens: int = 32, adapter_rank: int | None = None, use_pdl: bool | None = None):
+    """One case; adapter_rank < rank puts lower-rank adapters in slots sized for rank."""
     hidden, slices = SHAPES[shape]
     adapter_rank = adapter_rank or rank
     g = torch.Generator().manual_seed(hash((shape, rank, num_tokens, popularity)) % 2**31)
@@ -104,36 +93,24 @@ def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw:
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
     y = torch.randn(num_tokens, sum(slices), device="cuda", dtype=dtype)
     ours = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="triton", bgmv_max_tokens=bgmv_max_tokens,
-                         use_pdl=use_pdl, fused_decode_max_tokens=fused_max_tokens)
+                         use_pdl=use_pdl)
     ref = PunicaWrapper(num_tokens, NUM_SLOTS, "cuda", backend="torch")
     for w in (ours, ref):
         w.update_metadata(mapping, ids)
 
-    def call(out: torch.Tensor) -> None:
-        if fused_cfg is None:
-            ours.add_lora_linear(out, x, a, b, None, 1.0, slices, ranks)
-        else:
-            triton_ops.bgmv_fused(out, x, a, b, ranks, ours._offsets(slices), max(slices), ours.token_meta,
-                                  1.0, 0, None, True, config=fused_cfg)
-
     got, want = y.clone(), y.float()
-    call(got)
+    ours.add_lora_linear(got, x, a, b, None, 1.0, slices, ranks)
     ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 1.0, slices, ranks)
     err = ((got.float() - want).abs().max() / want.abs().max()).item()
 
-    graph = graph_of(lambda: call(y))
+    graph = graph_of(lambda: ours.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks))
     ours_us = time_graph(graph)
-    torch_us = math.nan
-    if time_torch:
-        torch_us = 1e3 * do_bench(lambda: ref.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks),
-                                  warmup=3, rep=30, return_mode="median")
+    torch_us = 1e3 * do_bench(lambda: ref.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks),
+                              warmup=3, rep=30, return_mode="median")
     adapters = len(set(slots))
     roof_us = 1e6 * min_bytes(num_tokens, hidden, slices, adapter_rank, adapters, x.element_size()) / bw
     del graph
-    if fused_cfg is not None or triton_ops.use_fused_decode(ours.token_meta, fused_max_tokens):
-        path = "bgmv-fused"
-    else:
-        path = ("bgmv" if ours.token_meta.use_bgmv else "sgmv") + ("+pdl" if ours.use_pdl else "")
+    path = ("bgmv" if ours.token_meta.use_bgmv else "sgmv") + ("+pdl" if ours.use_pdl else "")
     return dict(shape=shape, rank=rank, T=num_tokens, popularity=popularity, adapters=adapters, path=path,
                 ours_us=ours_us, torch_us=torch_us, roof_us=roof_us, floor_us=floor_us,
                 bw_frac=roof_us / ours_us, vs_torch=torch_us / ours_us, vs_floor=ours_us / floor_us,
@@ -146,10 +123,24 @@ def print_row(r: dict) -> None:
           f"{r['vs_torch']:>8.1f}{r['vs_floor']:>8.2f}{r['rel_err']:>9.1e}", flush=True)
 
 
-def main_table(dtype, bw: float, floor_us: float, header: str, tokens: tuple[int, ...]) -> list[dict]:
-    """Every shape x rank x T x popularity on the default paths, then padded vs exact-rank slots."""
-    print(header)
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    flag = torch.zeros(1, device="cuda")
+    floor_us = time_graph(graph_of(lambda: _noop[(1,)](flag)))
+    floor2_us = time_graph(graph_of(lambda: (_noop[(1,)](flag), _noop[(1,)](flag))))
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "
+          f"one-kernel graph floor {floor_us:.2f} us  (two kernels: {floor2_us:.2f} us)  dtype {args.dtype}")
+    tokens = (1, 64, 1024) if args.quick else TOKENS
     rows = []
+    header = (f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}{'#ad':>4} {'path':9}{'ours us':>10}{'torch us':>10}"
+              f"{'roof us':>9}{'%bw':>6}{'x torch':>8}{'x floor':>8}{'relerr':>9}")
+    print(header)
     for shape in SHAPES:
         for rank in RANKS:
             for t in tokens:
@@ -169,93 +160,12 @@ def main_table(dtype, bw: float, floor_us: float, header: str, tokens: tuple[int
         print_row(padded)
         print_row(exact)
         print(f"  {shape}: padded / exact = {padded['ours_us'] / exact['ours_us']:.2f}")
-    return rows
-
-
-def fused_table(dtype, bw: float, floor_us: float, header: str) -> list[dict]:
-    """Default path and the one-launch op side by side, where the step takes BGMV (else fused is off)."""
-    print(f"\none-launch decode op (bgmv-fused) vs the default path; 'fused/dflt' < 1 means fused is faster\n{header}")
-    rows = []
-    for shape in SHAPES:
-        for rank in RANKS:
-            for t in FUSED_TOKENS:
-                for pop in POPULARITY:
-                    default = run_case(shape, rank, t, pop, dtype, bw, floor_us)
-                    fused = run_case(shape, rank, t, pop, dtype, bw, floor_us, fused_max_tokens=max(FUSED_TOKENS))
-                    print_row(default)
-                    if fused["path"] == "bgmv-fused":
-                        print_row(fused)
-                        print(f"  fused/dflt {fused['ours_us'] / default['ours_us']:.2f}")
-                        rows.append(fused)
-                    rows.append(default)
-    return rows
-
-
-def fused_sweep(dtype, bw: float, floor_us: float) -> list[dict]:
-    """Launch configurations of the fused op on distinct-adapter decode steps; best per case last."""
-    print("\nfused op configurations (distinct adapters): target programs x A tile x warps")
-    rows = []
-    for shape in ("qkv", "down"):
-        for rank in RANKS:
-            for t in FUSED_TOKENS:
-                case = []
-                for target in (64, 128, 256):
-                    for tile in (4096, 8192, 16384):
-                        for warps in (4, 8):
-                            cfg = triton_ops.fused_config(t, len(SHAPES[shape][1]), max(SHAPES[shape][1]), rank,
-                                                          target_programs=target, tile=tile, num_warps=warps)
-                            r = run_case(shape, rank, t, "distinct", dtype, bw, floor_us, fused_cfg=cfg,
-                                         time_torch=False)
-                            r.update(target=target, tile=tile, warps=warps)
-                            case.append(r)
-                best = min(case, key=lambda r: r["ours_us"] if r["rel_err"] < 2e-2 else math.inf)
-                default = next(r for r in case if (r["target"], r["tile"], r["warps"]) == (128, 8192, 8))
-                print(f"{shape:8}{rank:>4}{t:>6}  best target {best['target']:>4} tile {best['tile']:>6} "
-                      f"warps {best['warps']}: {best['ours_us']:.2f} us ({best['vs_floor']:.2f} x floor); "
-                      f"default config {default['ours_us']:.2f} us; worst {max(r['ours_us'] for r in case):.2f} us",
-                      flush=True)
-                rows += case
-    return rows
-
-
-def write_csv(out_dir: str, name: str, rows: list[dict]) -> None:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(os.path.join(out_dir, name), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="a few cases only")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--fused-only", action="store_true",
-                        help="only the table of the one-launch decode op beside the default path")
-    parser.add_argument("--fused-sweep", action="store_true",
-                        help="only time the fused op's launch configurations (distinct adapters)")
-    args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    bw = copy_bandwidth()
-    flag = torch.zeros(1, device="cuda")
-    floor_us = time_graph(graph_of(lambda: _noop[(1,)](flag)))
-    floor2_us = time_graph(graph_of(lambda: (_noop[(1,)](flag), _noop[(1,)](flag))))
-    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "
-          f"one-kernel graph floor {floor_us:.2f} us  (two kernels: {floor2_us:.2f} us)  dtype {args.dtype}")
-    rows = []
-    header = (f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}{'#ad':>4} {'path':9}{'ours us':>10}{'torch us':>10}"
-              f"{'roof us':>9}{'%bw':>6}{'x torch':>8}{'x floor':>8}{'relerr':>9}")
-    if not (args.fused_only or args.fused_sweep):
-        rows = main_table(dtype, bw, floor_us, header, (1, 64, 1024) if args.quick else TOKENS)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")
     os.makedirs(out_dir, exist_ok=True)
-    if args.fused_sweep:
-        rows = fused_sweep(dtype, bw, floor_us)
-        write_csv(out_dir, f"kernels_fused_sweep_{args.dtype}.csv", rows)
-    else:
-        rows += fused_table(dtype, bw, floor_us, header)
-        write_csv(out_dir, f"kernels_{args.dtype}.csv", rows)
+    with open(os.path.join(out_dir, f"kernels_{args.dtype}.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
     worst = max(r["rel_err"] for r in rows)
     slower = [r for r in rows if r["vs_torch"] < 1.0]
     print(f"max rel err {worst:.2e}; cases slower than torch: {len(slower)} of {len(rows)}")

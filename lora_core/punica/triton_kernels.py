@@ -5,8 +5,7 @@ metadata.py), so an adapter's weights are read once per tile instead of once
 per token, and decode batches where every token has its own adapter reduce to
 BGMV (one token per tile). Rows of A and columns of B past the slot's real
 rank are masked, so a low-rank adapter in a slot sized for max_lora_rank costs
-no extra bandwidth. bgmv_fused_kernel runs a small decode step's shrink and
-expand in one launch. Only Triton features present in 3.0 are used.
+no extra bandwidth. Only Triton features present in 3.0 are used.
 """
 
 from __future__ import annotations
@@ -256,90 +255,3 @@ def bgmv_expand_kernel(
         if ADD_INPUTS:
             acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def bgmv_fused_kernel(
-    x_ptr, a_ptr, b_ptr, y_ptr, ranks_ptr, slice_off_ptr, bias_ptr, slots_ptr,
-    K, scale, y_col_offset, n_per_prog,
-    sx_t, sx_k,
-    sa_s, sa_l, sa_r, sa_k,
-    sw_l, sw_n, sw_r,
-    sy_t, sy_n,
-    sr_s, sbias_l, sbias_n,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr,
-):
-    """Decode shrink and expand in one launch, one token per program row:
-
-        y[t, off + n] (+)= (scale * x[t] @ A[s, slot_t, :rank]^T) @ B[slot_t, n, :rank]^T (+ bias)
-
-    for the n_per_prog columns n of slice s that this program owns. Every
-    program of a (token, slice) recomputes the whole shrink (full K, all R):
-    the first one pulls A[s, slot] from DRAM, the rest hit L2. That trades L2
-    reads for the split-K buffer and the second launch, which dominate a
-    decode step of a few tokens.
-    """
-    chunk = tl.program_id(0)  # column chunks of one (token, slice) launch next to each other: they share A
-    t = tl.program_id(1)
-    s = tl.program_id(2)
-    slot = tl.load(slots_ptr + t)
-    n_lo = tl.load(slice_off_ptr + s)
-    n_hi = tl.load(slice_off_ptr + s + 1)
-    if slot < 0:
-        return
-    n_begin = n_lo + chunk * n_per_prog
-    if n_begin >= n_hi:
-        return
-    n_end = tl.minimum(n_begin + n_per_prog, n_hi)
-    rank = tl.minimum(tl.load(ranks_ptr + s * sr_s + slot), R)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    # The first B tile and y do not depend on the shrink: issue them first so
-    # their DRAM latency overlaps the A stream.
-    b_rows = b_ptr + slot.to(tl.int64) * sw_l + offs_r[None, :] * sw_r
-    y_row = y_ptr + t.to(tl.int64) * sy_t
-    offs_n = n_begin + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_end
-    w = tl.load(b_rows + offs_n[:, None].to(tl.int64) * sw_n, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-    y_ptrs = y_row + (y_col_offset + offs_n) * sy_n
-    acc_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if ADD_INPUTS:
-        acc_n = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc_n += tl.load(bias_ptr + slot.to(tl.int64) * sbias_l + offs_n * sbias_n,
-                         mask=n_mask, other=0.0).to(tl.float32)
-
-    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-    a_rows = a_ptr + s.to(tl.int64) * sa_s + slot.to(tl.int64) * sa_l + offs_r[:, None] * sa_r
-    x_row = x_ptr + t.to(tl.int64) * sx_t
-    offs_k = tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    xk = tl.load(x_row + offs_k * sx_k, mask=k_mask, other=0.0)
-    a = tl.load(a_rows + offs_k[None, :] * sa_k, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-    # One A tile always in flight ahead of the FMAs: Triton does not pipeline
-    # loads that feed no tl.dot, and one SM streaming all of A is the critical path.
-    for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        xk_next = tl.load(x_row + offs_k * sx_k, mask=k_mask, other=0.0)
-        a_next = tl.load(a_rows + offs_k[None, :] * sa_k, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += a.to(tl.float32) * xk.to(tl.float32)[None, :]
-        xk = xk_next
-        a = a_next
-    xa = tl.sum(acc, axis=1) * scale  # [BLOCK_R], fp32 as the split-K buffer was
-
-    acc_n += tl.sum(w.to(tl.float32) * xa[None, :], axis=1)
-    tl.store(y_ptrs, acc_n.to(y_ptr.dtype.element_ty), mask=n_mask)
-    for n in range(n_begin + BLOCK_N, n_end, BLOCK_N):
-        offs_n = n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_end
-        w = tl.load(b_rows + offs_n[:, None].to(tl.int64) * sw_n, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        acc_n = tl.sum(w.to(tl.float32) * xa[None, :], axis=1)
-        if HAS_BIAS:
-            acc_n += tl.load(bias_ptr + slot.to(tl.int64) * sbias_l + offs_n * sbias_n,
-                             mask=n_mask, other=0.0).to(tl.float32)
-        y_ptrs = y_row + (y_col_offset + offs_n) * sy_n
-        if ADD_INPUTS:
-            acc_n += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc_n.to(y_ptr.dtype.element_ty), mask=n_mask)

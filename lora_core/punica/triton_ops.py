@@ -13,14 +13,10 @@ import torch
 import triton.language as tl
 
 from lora_core.punica.metadata import PunicaMetadata
-from lora_core.punica.triton_kernels import (bgmv_expand_kernel, bgmv_fused_kernel, bgmv_shrink_kernel, expand_kernel,
-                                             shrink_kernel)
+from lora_core.punica.triton_kernels import bgmv_expand_kernel, bgmv_shrink_kernel, expand_kernel, shrink_kernel
 
 # Enough programs to keep every SM of an H100/H200 streaming weights.
 _TARGET_PROGRAMS = 1024
-# The fused decode kernel repeats the shrink in every program, so it wants
-# about one program per SM rather than many small ones.
-_FUSED_TARGET_PROGRAMS = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,15 +35,6 @@ def _pdl_kwargs(use_pdl: bool) -> dict:
 def use_bgmv(meta: PunicaMetadata) -> bool:
     """One-token-per-program BGMV for small steps of barely shared adapters, SGMV tiles otherwise."""
     return meta.use_bgmv
-
-
-def use_fused_decode(meta: PunicaMetadata, max_tokens: int) -> bool:
-    """The one-launch BGMV op: BGMV steps of at most max_tokens rows (0 = never).
-
-    A function of num_rows and use_bgmv only, both in the metadata's launch
-    key, so a captured CUDA graph never holds the other path.
-    """
-    return meta.use_bgmv and 0 < meta.num_rows <= max_tokens
 
 
 def _pow2_floor(n: int) -> int:
@@ -122,8 +109,10 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
 def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
            slice_offsets: torch.Tensor, max_slice: int, meta: PunicaMetadata, offset_start: int,
            bias: torch.Tensor | None, add_inputs: bool, use_pdl: bool = False) -> None:
-    """use_pdl: launched right after this step's shrink, which triggered it (fused path only)."""
-    """y[:, offset_start + slice] (+)= sum over splits of buf [split, S, T, R] @ lora_b [L, N, R]^T."""
+    """y[:, offset_start + slice] (+)= sum over splits of buf [split, S, T, R] @ lora_b [L, N, R]^T.
+
+    use_pdl: launched right after this step's shrink, which triggered it.
+    """
     split_k, num_slices, _, rank = buf.shape
     if meta.num_rows == 0:
         return
@@ -154,51 +143,4 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
         HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
         IEEE=lora_b.dtype == torch.float32,
         num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
-    )
-
-
-def fused_config(num_rows: int, num_slices: int, max_slice: int, rank: int,
-                 target_programs: int = _FUSED_TARGET_PROGRAMS, tile: int = 8192,
-                 num_warps: int = 8) -> dict:
-    """Launch parameters of bgmv_fused from host-side shapes.
-
-    tile: elements of A per K step (BLOCK_R x BLOCK_K; 16 KiB of bf16, with the
-    next step's tile already in flight); columns are cut so that (rows x slices x chunks) is about
-    target_programs. BLOCK_* depend on the rank only, and n_per_prog is a
-    runtime argument, so a new step size never compiles a kernel.
-    """
-    block_r = _block_r(rank)
-    block_k = max(16, tile // block_r)
-    block_n = max(32, min(128, 2048 // block_r))
-    n_blocks = -(-max_slice // block_n)
-    chunks = max(1, min(n_blocks, -(-target_programs // (num_rows * num_slices))))
-    return dict(block_k=block_k, block_n=block_n, n_per_prog=block_n * -(-n_blocks // chunks), num_warps=num_warps)
-
-
-def bgmv_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               ranks: torch.Tensor, slice_offsets: torch.Tensor, max_slice: int, meta: PunicaMetadata,
-               scale: float, offset_start: int, bias: torch.Tensor | None, add_inputs: bool,
-               config: dict | None = None) -> None:
-    """y[t, offset_start + slice k] (+)= (scale * x[t] @ A[k, slot]^T) @ B[slot, slice k]^T (+ bias[slot, slice k]).
-
-    x [T, H], lora_a [S, L, R, H], lora_b [L, N, R], bias [L, N]. Shrink and expand
-    in one launch with no workspace (see bgmv_fused_kernel); rows with slot -1 are
-    left untouched. config overrides fused_config (for benchmarks).
-    """
-    num_slices, _, rank, hidden = lora_a.shape
-    if meta.num_rows == 0:
-        return
-    cfg = config or fused_config(meta.num_rows, num_slices, max_slice, rank)
-    grid = (-(-max_slice // cfg["n_per_prog"]), meta.num_rows, num_slices)
-    bgmv_fused_kernel[grid](
-        x, lora_a, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b, meta.slots,
-        hidden, float(scale), offset_start, cfg["n_per_prog"],
-        x.stride(0), x.stride(1),
-        *lora_a.stride(),
-        *lora_b.stride(),
-        y.stride(0), y.stride(1),
-        ranks.stride(0), *(bias.stride() if bias is not None else (0, 0)),
-        R=rank, BLOCK_R=_block_r(rank), BLOCK_K=cfg["block_k"], BLOCK_N=cfg["block_n"],
-        HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs,
-        num_warps=cfg["num_warps"], num_stages=3,
     )

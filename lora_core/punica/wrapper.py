@@ -11,8 +11,6 @@ up to bgmv_max_tokens rows (decode) run one-token-per-program BGMV kernels;
 larger ones, and steps where adapters are shared by more than two tokens on
 average, run slot-sorted SGMV tiles (the choice is made on the host from the
 LoRAMapping, so it never syncs; a CUDA graph is captured per choice).
-With fused_decode_max_tokens > 0, BGMV steps of at most that many rows run
-add_lora_linear as one kernel (shrink and expand fused, no workspace).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ BACKENDS = ("auto", "triton", "torch")
 class PunicaWrapper:
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str,
                  max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32,
-                 use_pdl: bool | None = None, fused_decode_max_tokens: int = 0) -> None:
+                 use_pdl: bool | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.device = torch.device(device)
@@ -46,7 +44,6 @@ class PunicaWrapper:
         # Programmatic dependent launch lets the expand start under the shrink (Hopper+).
         self.use_pdl = (backend == "triton" and self.device.type == "cuda"
                         and triton_ops.pdl_supported(self.device.index or 0)) if use_pdl is None else use_pdl
-        self.fused_decode_max_tokens = fused_decode_max_tokens
         self.max_loras = max_loras
         self.token_meta = PunicaMetadata(max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device, bgmv_max_tokens)
@@ -151,8 +148,7 @@ class PunicaWrapper:
                         ranks: torch.Tensor | None = None, *, meta: PunicaMetadata | None = None) -> None:
         """y [T, sum(n_k)] += per slice k: (x @ A[k, slot]^T) @ B[slot, slice k]^T * scale (+ bias).
 
-        One shrink launch and one expand launch for all slices (qkv, gate_up), or
-        one fused launch for a small BGMV step (fused_decode_max_tokens).
+        One shrink launch and one expand launch for all slices (qkv, gate_up).
         """
         meta = meta or self.token_meta
         num_slices, _, rank, _ = lora_a_stacked.shape
@@ -167,10 +163,6 @@ class PunicaWrapper:
             torch_ops.expand(y, buf, lora_b_stacked, meta.slots, ranks, output_slices, 0, lora_bias_stacked)
             return
         if meta.num_rows == 0:
-            return
-        if self._triton.use_fused_decode(meta, self.fused_decode_max_tokens):
-            self._triton.bgmv_fused(y, x, lora_a_stacked, lora_b_stacked, ranks, self._offsets(output_slices),
-                                    max(output_slices), meta, scale, 0, lora_bias_stacked, add_inputs=True)
             return
         block_k, split_k = self._triton.shrink_config(meta, x.shape[1], num_slices, rank)
         buf = self._buffer((split_k, num_slices, meta.num_rows, rank))
