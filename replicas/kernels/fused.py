@@ -39,8 +39,13 @@ _MAX_NORM_BLOCK = 8192  # a row up to this wide stays in registers; wider rows a
 
 
 def enabled() -> bool:
-    """Whether the layers should call these kernels on CUDA tensors (env LORAFLEET_FUSED_OPS=1; off by default)."""
-    return os.environ.get("LORAFLEET_FUSED_OPS", "0") == "1"
+    """Whether the layers call these kernels on CUDA tensors: on unless env LORAFLEET_FUSED_OPS=0.
+
+    On by default since an H200 measured them (bench/fused_ops.py): bit-exact
+    to torch and ~2.5 ms faster per Llama-3-8B decode step at batch 32. The
+    switch stays so a suspected kernel bug can be ruled out in one restart.
+    """
+    return os.environ.get("LORAFLEET_FUSED_OPS", "1") != "0"
 
 
 def _launch_opts(t: torch.Tensor) -> dict:

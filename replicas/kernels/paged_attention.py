@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels import fused
+
 
 @triton.jit
 def _attend(q, k, v, allowed, m_i, l_i, acc, scale, IEEE: tl.constexpr):
@@ -206,10 +208,14 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor, meta, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """The GPU attention backend (same signature as replicas.attention.reference_attention).
 
-    Writes this step's k, v [T, H_kv, D] into the cache with index_copy_ (no
-    padding slots, so no host check), then runs the paged kernel.
+    Writes this step's k, v [T, H_kv, D] into the cache (one fused launch when
+    replicas.kernels.fused is on, else two index_copy_; no padding slots, so
+    no host check), then runs the paged kernel.
     """
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if fused.enabled():
+        fused.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                            meta.max_query_len, sliding_window=sliding_window)

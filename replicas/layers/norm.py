@@ -12,7 +12,7 @@ from torch import nn
 
 
 def fused_ops(x: torch.Tensor):
-    """replicas.kernels.fused when its kernels should run on x (x on CUDA and LORAFLEET_FUSED_OPS=1), else None."""
+    """replicas.kernels.fused when its kernels should run on x (x on CUDA, unless LORAFLEET_FUSED_OPS=0), else None."""
     if not x.is_cuda:
         return None
     from replicas.kernels import fused  # imported here: triton is optional off the GPU

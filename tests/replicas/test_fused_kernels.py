@@ -126,9 +126,9 @@ def test_write_kv_cache_matches_index_copy(num_kv_heads, head_dim, dtype):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-def test_switch_is_off_by_default_and_read_from_env(monkeypatch):
+def test_switch_is_on_by_default_and_read_from_env(monkeypatch):
     monkeypatch.delenv("LORAFLEET_FUSED_OPS", raising=False)
-    assert not fused.enabled()
+    assert fused.enabled()
     monkeypatch.setenv("LORAFLEET_FUSED_OPS", "1")
     assert fused.enabled()
     monkeypatch.setenv("LORAFLEET_FUSED_OPS", "0")

@@ -106,3 +106,27 @@ def test_pure_decode_step_matches_dense(heads, kv_heads, head_dim, dtype, window
         v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].to(dtype).float()
         want = _dense(q[i : i + 1].to(dtype).float(), k, v, n - 1, scale, window)
         torch.testing.assert_close(out[i : i + 1], want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fused_write", ["1", "0"])
+def test_backend_writes_the_cache_and_attends_like_the_reference(monkeypatch, fused_write):
+    """triton_attention (KV write, fused or index_copy_, then the kernel) against reference_attention."""
+    from replicas.attention import AttentionMetadata, reference_attention
+    from replicas.kernels.paged_attention import triton_attention
+
+    monkeypatch.setenv("LORAFLEET_FUSED_OPS", fused_write)
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 32, 16, 12
+    query_lens, seq_lens = [1, 5, 1], [9, 5, 33]
+    tables = [[3], [7], [0, 5, 10]]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=DEVICE)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(DEVICE)
+    k = torch.randn(sum(query_lens), kv_heads, head_dim, generator=g).to(DEVICE)
+    v = torch.randn(sum(query_lens), kv_heads, head_dim, generator=g).to(DEVICE)
+    caches = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(DEVICE)
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    got_k, got_v = caches[0].clone(), caches[1].clone()
+    want = reference_attention(q, k, v, ref_k, ref_v, meta, head_dim ** -0.5)
+    got = triton_attention(q, k, v, got_k, got_v, meta, head_dim ** -0.5)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
