@@ -51,6 +51,7 @@ class _SliceWrite:
     b: torch.Tensor             # [out_slice, r]
     b_offset: int               # where the slice starts in lora_b's out dim
     bias: torch.Tensor | None   # [out_slice]
+    scale: float = 1.0          # multiplies b and bias on their way into host memory (the LoRA scaling)
 
 
 @dataclass
@@ -197,22 +198,29 @@ class LoRAModelManager:
         small tensors: one per adapter, not one per tensor (an 8B-shaped
         adapter has some 450 of them).
         """
-        tensors: list[tuple[torch.Tensor, torch.dtype]] = []
+        tensors: list[tuple[torch.Tensor, torch.dtype, float]] = []  # (source, slot dtype, scale)
         for ranks, writes in modules.values():
-            tensors.append((ranks, torch.int32))
+            tensors.append((ranks, torch.int32, 1.0))
             for w in writes:
-                tensors += [(w.a, self.dtype), (w.b, self.dtype)] + ([(w.bias, self.dtype)] if w.bias is not None else [])
-        sizes = [t.numel() * torch.empty((), dtype=d).element_size() for t, d in tensors]
+                tensors += [(w.a, self.dtype, 1.0), (w.b, self.dtype, w.scale)]
+                if w.bias is not None:
+                    tensors.append((w.bias, self.dtype, w.scale))
+        sizes = [t.numel() * torch.empty((), dtype=d).element_size() for t, d, _ in tensors]
         starts = [0]
         for size in sizes:
             starts.append(starts[-1] + -(-size // 64) * 64)  # 64-byte aligned, so every dtype can view its slice
         slab = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=self._pin_host)
-        copies = iter([slab[start:start + size].view(d).view(tuple(t.shape)).copy_(t)
-                       for (t, d), start, size in zip(tensors, starts, sizes)])
+
+        def place(t: torch.Tensor, dtype: torch.dtype, scale: float, start: int, size: int) -> torch.Tensor:
+            dst = slab[start:start + size].view(dtype).view(tuple(t.shape))
+            # As LoRALayerWeights.optimize: the product in the source dtype, rounded once into the slot's.
+            return dst.copy_(t) if scale == 1.0 else torch.mul(t, scale, out=dst)
+
+        copies = iter([place(*t, start, size) for t, start, size in zip(tensors, starts, sizes)])
         out = {}
         for name, (_, writes) in modules.items():
             ranks = next(copies)
-            out[name] = (ranks, [dataclasses.replace(w, a=next(copies), b=next(copies),
+            out[name] = (ranks, [dataclasses.replace(w, a=next(copies), b=next(copies), scale=1.0,
                                                      bias=next(copies) if w.bias is not None else None)
                                  for w in writes])
         return out
@@ -242,13 +250,14 @@ class LoRAModelManager:
         ranks, writes, offset = [0] * len(layers), [], 0
         for index, layer in enumerate(layers):
             if layer is not None:
-                layer = dataclasses.replace(layer).optimize()  # fold scaling; the caller's copy is untouched
                 a = shard_lora_a(layer.lora_a, **cut, fully_sharded=fs, max_rank=self.config.max_lora_rank)
                 if spec.shard is ShardKind.COLUMN and fs:  # keep only this rank's real (non-padding) columns
                     a = a[:, :max(0, min(dims.rank_a, layer.rank - self.tp_rank * dims.rank_a))]
                 b = shard_lora_b(layer.lora_b, **cut, fully_sharded=fs)
                 bias = shard_lora_bias(layer.bias, **cut, fully_sharded=fs)
-                writes.append(_SliceWrite(index, a if dims.is_embedding else a.t(), b.t(), offset, bias))
+                # The scaling is folded in by _to_host's copy: one pass over B, not two.
+                writes.append(_SliceWrite(index, a if dims.is_embedding else a.t(), b.t(), offset, bias,
+                                          layer.scaling))
                 ranks[index] = local_rank(layer.rank, **cut, max_rank=self.config.max_lora_rank, fully_sharded=fs)
             offset += dims.out_slices[index]
         return torch.tensor(ranks, dtype=torch.int32), writes  # host copies: _to_host
