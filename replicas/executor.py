@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from replicas.model_runner import ModelRunner, RunnerConfig, StepInput
-from replicas.parallel import backend_for, destroy_distributed, free_port, init_distributed
+from replicas.parallel import TEARDOWN_TIMEOUT_S, backend_for, destroy_distributed, free_port, init_distributed
 
 
 class UniProcExecutor:
@@ -113,12 +113,15 @@ class MultiprocExecutor:
                 conn.send(("shutdown", ()))
             except (BrokenPipeError, OSError):
                 pass
+        # Every rank leaves the process group together: NCCL's teardown waits for the peers, so joining
+        # (or killing) the workers first hung this rank on a GPU (TP=2 on 2 x H200). A dead worker can still
+        # hang it, hence the bound.
+        destroy_distributed(timeout=TEARDOWN_TIMEOUT_S)
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
         self._conns, self._procs = [], []
-        destroy_distributed()
 
 
 def make_executor(cfg: RunnerConfig, tp_size: int, backend: str | None = None):

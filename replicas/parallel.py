@@ -8,6 +8,7 @@ live in one process. At tp_size 1 every collective is a no-op.
 from __future__ import annotations
 
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,14 +75,42 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str 
         return ParallelContext()
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    _finish_teardown()
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     return ParallelContext(tp_rank=rank, tp_size=world_size, group=None)
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
+_teardown: threading.Thread | None = None
+TEARDOWN_TIMEOUT_S = 30.0
+
+
+def destroy_distributed(timeout: float | None = None) -> bool:
+    """Leave the process group; returns whether that finished.
+
+    NCCL's teardown waits for every rank, so a driver that leaves while a
+    worker is dead would hang: with a timeout the teardown runs on a thread
+    and the call returns after at most that long. init_distributed waits for
+    a teardown still under way, so it never tears down the next group.
+    """
+    global _teardown
+    if not dist.is_initialized():
+        return True
+    if timeout is None:
         dist.destroy_process_group()
+        return True
+    _teardown = threading.Thread(target=dist.destroy_process_group, name="lorafleet-tp-teardown", daemon=True)
+    _teardown.start()
+    _teardown.join(timeout)
+    return not _teardown.is_alive()
+
+
+def _finish_teardown() -> None:
+    if _teardown is not None and _teardown.is_alive():
+        _teardown.join(TEARDOWN_TIMEOUT_S)
+        if _teardown.is_alive():
+            raise RuntimeError("the previous tensor-parallel process group is still tearing down (a rank hung "
+                               "or died); start the new group in a fresh process")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -72,3 +72,26 @@ def test_kv_heads_replicated_across_ranks(tiny_checkpoint):
         assert layer.shard_of(1) == (0, 1) and layer.num_kv_head_replicas == 2
         torch.testing.assert_close(layer.weight[:32], q[rank * 32 : (rank + 1) * 32])
         torch.testing.assert_close(layer.weight[32:], torch.cat([k, v]))
+
+
+def test_a_hung_teardown_is_bounded_and_blocks_the_next_group(monkeypatch):
+    """destroy_distributed(timeout) returns when a rank hangs; a new group waits for (or refuses) the old teardown."""
+    import threading
+
+    import torch.distributed as dist
+
+    from replicas import parallel
+
+    release, joined = threading.Event(), []
+    monkeypatch.setattr(dist, "is_initialized", lambda: not joined)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(5))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: joined.append(k["rank"]))
+    monkeypatch.setattr(parallel, "TEARDOWN_TIMEOUT_S", 0.05)
+    assert parallel.destroy_distributed(timeout=0.05) is False  # the peer never came: we returned anyway
+    with pytest.raises(RuntimeError, match="still tearing down"):
+        parallel.init_distributed(0, 2, "tcp://127.0.0.1:1", "gloo")
+    assert joined == []
+    release.set()
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(joined))
+    ctx = parallel.init_distributed(1, 2, "tcp://127.0.0.1:1", "gloo")
+    assert joined == [1] and ctx.tp_rank == 1 and ctx.tp_size == 2
