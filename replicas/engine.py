@@ -128,13 +128,22 @@ class LLMEngine:
         return future
 
     def _start_load(self, request: LoRARequest) -> bool:
-        """Check the request against what is registered; start loading it if new. True: a load is in flight."""
+        """Check the request against what is registered; start loading it if new, or if the host cache
+        dropped it since (a reload). True: a load is in flight."""
         known = self._loras.get(request.lora_name)
         if known is not None:
             if known != request:
                 raise InvalidRequestError([("lora_request", f"adapter {request.lora_name!r} is already registered "
                                             f"as id {known.lora_int_id} at {known.lora_path}")])
-            return False
+            if request.lora_int_id in self._loading:
+                return True
+            if self.executor.call("lora_in_host_cache", request.lora_int_id):
+                return False
+            # Evicted from host memory: reload in the background too. (Evicted again before its step, the
+            # runner reloads it synchronously: rare, and never wrong.)
+            self.executor.call("start_lora_load", request)
+            self._loading[request.lora_int_id] = request
+            return True
         if self.lora_config is None:
             raise InvalidRequestError([("lora_request", "this engine was started without enable_lora")])
         loading = self._loading.get(request.lora_int_id)

@@ -177,6 +177,10 @@ class ModelRunner:
         lora = self._load(request)
         return lora.rank, self.lora_manager.prepare_adapter(lora)
 
+    def lora_in_host_cache(self, lora_id: int) -> bool:
+        """Whether the adapter is registered in host memory now (a step could use it without a load)."""
+        return self.lora_manager is not None and lora_id in self.lora_manager.list_adapters()
+
     def lora_loads_done(self) -> list[int]:
         """Ids whose background load has finished (successfully or not), oldest first."""
         return [lora_id for lora_id, (_, future) in self._loads.items() if future.done()]

@@ -143,3 +143,31 @@ def test_a_load_that_ends_while_the_host_cache_is_busy_waits_for_room(demo, lora
         done |= {o.request_id: o for o in engine.step() if o.finished}
     assert {r: (o.error, len(o.outputs[0].token_ids)) for r, o in done.items()} == \
         {"a": (None, 6), "b": (None, 6), "c": (None, 3)}
+
+
+def test_an_adapter_the_host_cache_dropped_reloads_in_the_background(demo, loras):
+    """With one host entry, using B evicts A; a later request for A is parked while A reloads, others run."""
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=32,
+              dtype="float32", device="cpu")
+    engine, runner = llm.engine, llm.engine.executor.runner
+    names = sorted(loras)
+    a, b = loras[names[0]], loras[names[1]]
+    want = llm.generate(["Hello there"], _greedy(), [a])[0].outputs[0].token_ids
+    llm.generate(["Hello"], _greedy(2), [b])
+    assert not runner.lora_in_host_cache(a.lora_int_id) and runner.lora_in_host_cache(b.lora_int_id)
+
+    gate, load = threading.Event(), runner._load
+    runner._load = lambda request: (gate.wait(30), load(request))[1]
+    engine.add_request("base", "The quick brown fox", _greedy(8))
+    engine.add_request("a", "Hello there", _greedy(), a)  # accepted at once: the reload is in the background
+    assert a.lora_int_id in engine._loading and [r.lora_name for r in engine.list_loras()] == [a.lora_name,
+                                                                                                 b.lora_name]
+    done = {}
+    while "base" not in done:  # the base request runs to the end while A reloads
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert "a" not in done
+    gate.set()
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done["a"].error is None and done["a"].outputs[0].token_ids == want
+    assert runner.lora_in_host_cache(a.lora_int_id)
