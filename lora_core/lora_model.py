@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from lora_core.config import LoRAConfig
 from lora_core.errors import (
@@ -29,7 +30,6 @@ from lora_core.errors import (
 from lora_core.layer_weights import LoRALayerWeights
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec
 from lora_core.peft_helper import PEFTHelper, raise_problems
-from lora_core.safetensors_io import SafetensorsFormatError, read_safetensors
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
@@ -70,9 +70,8 @@ def _parse_key(key: str) -> tuple[str, str, str, str | None] | None:
     return ".".join(parts[:i]), part, rest[-1], (rest[0] if len(rest) == 2 else None)
 
 
-def _own(t: torch.Tensor | None, device: torch.device | str, dtype: torch.dtype | None,
-         copy: bool = True) -> torch.Tensor | None:
-    """t on device in dtype, in t's own layout; a copy that shares no memory with t unless copy=False.
+def _own(t: torch.Tensor | None, device: torch.device | str, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """A copy in t's own layout that shares no memory with the file's (possibly mmap'd) tensor.
 
     Copy first, transpose after (a view): a transposing copy of a bf16 tensor
     on CPU runs several times slower than a straight one, and the slots want
@@ -80,8 +79,6 @@ def _own(t: torch.Tensor | None, device: torch.device | str, dtype: torch.dtype 
     """
     if t is None:
         return None
-    if not copy and t.device == torch.device(device) and dtype in (None, t.dtype):
-        return t
     out = torch.empty(tuple(t.shape), dtype=dtype or t.dtype, device=device)
     out.copy_(t)
     return out
@@ -245,8 +242,8 @@ def _find_weights(lora_dir: Path) -> Path:
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
-        return read_safetensors(path)
-    except (SafetensorsFormatError, OSError) as exc:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:  # any failure to parse an untrusted file means the file is bad
         raise CorruptAdapterError(path, None, f"not a readable safetensors file ({exc})") from exc
 
 
@@ -290,7 +287,7 @@ class LoRAModel:
         return cls.from_lora_tensors(
             tensors, helper, expected_lora_modules=expected, lora_model_id=lora_model_id, device=device,
             dtype=dtype, lora_config=lora_config, module_specs=module_specs,
-            weights_path=str(weights_path), lora_dir=str(lora_dir), copy=False)  # the read buffer is ours
+            weights_path=str(weights_path), lora_dir=str(lora_dir))
 
     @classmethod
     def from_lora_tensors(
@@ -298,16 +295,15 @@ class LoRAModel:
         *, expected_lora_modules: Iterable[str] | None = None, lora_model_id: int = 0,
         device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
         lora_config: LoRAConfig | None = None, module_specs: Iterable[LoRAModuleSpec] | None = None,
-        weights_path: str | None = None, lora_dir: str | None = None, copy: bool = True,
+        weights_path: str | None = None, lora_dir: str | None = None,
     ) -> "LoRAModel":
         """Build from a PEFT state dict (saved keys or a live model's, with adapter name).
 
         PEFT stores A as [r, in] and B as [out, r] (embedding A [r, vocab], B
         [dim, r]); we keep A^T [in, r] and B^T [r, out] so that
         x @ lora_a @ lora_b is the LoRA output. The input tensors are copied,
-        never aliased (copy=False: the caller gives them away, as
-        from_local_checkpoint does its read buffer); lora_a / lora_b are
-        transposed views of PEFT's layout. Every problem found is raised at once.
+        never aliased; lora_a / lora_b are transposed views of those copies
+        (PEFT's layout, which the slots use too). Every problem found is raised at once.
         """
         path = weights_path or (str(Path(lora_dir) / WEIGHTS_NAME) if lora_dir else "<tensors>")
         expected = frozenset(expected_lora_modules) if expected_lora_modules is not None else None
@@ -329,10 +325,10 @@ class LoRAModel:
                 module_name=name,
                 rank=a.shape[0],
                 lora_alpha=peft_helper.alpha_for(name),
-                lora_a=_own(a, device, dtype, copy).t(),  # [in, r], a view of PEFT's [r, in]
-                lora_b=_own(b, device, dtype, copy).t(),
+                lora_a=_own(a, device, dtype).t(),  # [in, r], a view of PEFT's [r, in]
+                lora_b=_own(b, device, dtype).t(),
                 scaling=peft_helper.scaling_for(name),
-                bias=_own(mt.bias[1], device, dtype, copy) if mt.bias is not None else None,
+                bias=_own(mt.bias[1], device, dtype) if mt.bias is not None else None,
                 is_embedding=mt.embedding,
             )
         rank = max(l.rank for l in loras.values())
