@@ -10,8 +10,8 @@ LLMEngine.add_request / step. The same requests run in every scenario:
   distinct-r{R}      every request its own adapter;
   uniform{N}-r{R}    uniform / Zipf(1.5) popularity over N = 100, 1,000 adapter
   zipf{N}-r{R}       directories (> max_loras GPU slots and > max_cpu_loras host entries);
-  <row>+ov           with --lora-overlap N: the same LoRA row on an engine that runs each layer's
-                     LoRA beside its base GEMM for steps of <= N tokens (replicas/lora_overlap.py);
+  <row>+NAME         with --variant NAME:FIELD=VALUE[,...]: the same LoRA row on an engine built
+                     with those EngineArgs fields changed (e.g. ov:lora_overlap_max_tokens=64);
   hf                 Llama-3.2-1B shape, 32 distinct rank-16 adapters in one batch of 32
                      (128-token prompts, 64 new tokens): HF transformers + PEFT generate
                      with adapter_names=, against ours on the same adapter files.
@@ -30,13 +30,14 @@ CSV to $OUT (or bench/out), rewritten after every row.
     python bench/engine.py                                     # everything (> 10 min on one GPU)
     python bench/engine.py --scenarios 'base,*-r16'            # base is run whenever a LoRA row is
     python bench/engine.py --tiny                              # tiny model on CPU, < 1 min
-    python bench/engine.py --scenarios 'base,one-r16*,distinct-r16*' --lora-overlap 64   # side by side
+    python bench/engine.py --scenarios 'base,one-r16*,distinct-r16*' --variant ov:lora_overlap_max_tokens=64
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import fnmatch
 import gc
 import os
@@ -69,18 +70,32 @@ HEADS = ["scenario", "r", "#reg", "tok/s", "ttft50", "ttft99", "tpot50", "tpot99
          "loads", "extra", "bound", "x bnd"]
 
 
-def scenarios(ranks: list[int], overlap: int = 0) -> dict[str, tuple[str, int, int, int]]:
-    """name -> (popularity, pool size (0: one per request), rank, lora_overlap_max_tokens).
+def scenarios(ranks: list[int], variants: tuple[str, ...] = ()) -> dict[str, tuple[str, int, int, str]]:
+    """name -> (popularity, pool size (0: one per request), rank, variant ("" = the default engine)).
 
-    With overlap > 0 every LoRA row gets a twin "<name>+ov" on an engine with
-    EngineArgs.lora_overlap_max_tokens=overlap, run in the same call.
+    Every LoRA row gets a twin "<name>+<variant>" per variant, run in the same call.
     """
-    table = {"base": ("none", 0, 0, 0)}
+    table = {"base": ("none", 0, 0, "")}
     for r in ranks:
-        table.update({f"{name}-r{r}": (pop, size, r, 0) for name, pop, size in POPULARITIES})
-        if overlap:
-            table.update({f"{name}-r{r}+ov": (pop, size, r, overlap) for name, pop, size in POPULARITIES})
+        for variant in ("",) + tuple(variants):
+            suffix = f"+{variant}" if variant else ""
+            table.update({f"{name}-r{r}{suffix}": (pop, size, r, variant) for name, pop, size in POPULARITIES})
     return table
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """"ov:lora_overlap_max_tokens=64,lora_load_processes=2" -> ("ov", {field: int value, ...})."""
+    name, _, fields = text.partition(":")
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    overrides = {}
+    for item in filter(None, fields.split(",")):
+        key, _, value = item.partition("=")
+        if key not in known or not value:
+            raise SystemExit(f"--variant {text!r}: {key!r} is not an EngineArgs field=value")
+        overrides[key] = int(value) if value.lstrip("-").isdigit() else value
+    if not name or not overrides:
+        raise SystemExit(f"--variant {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE]")
+    return name, overrides
 
 
 def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: int) -> dict:
@@ -111,31 +126,32 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def make_engine(model_dir: Path, a, rank: int, max_loras: int, max_seqs: int, max_len: int,
-                batched_tokens: int = 2048, max_cpu_loras: int | None = None, overlap: int = 0) -> LLMEngine:
+                batched_tokens: int = 2048, max_cpu_loras: int | None = None,
+                overrides: dict | None = None) -> LLMEngine:
     return LLMEngine(EngineArgs(
         model=str(model_dir), tensor_parallel_size=a.tp, dtype=a.dtype, enable_lora=rank > 0,
         max_loras=max_loras, max_lora_rank=max(rank, 1), max_cpu_loras=max_cpu_loras,
         num_kv_blocks=max_seqs * -(-max_len // 16) + 8, max_num_seqs=max_seqs,
         max_num_batched_tokens=max(batched_tokens, max_len), enable_prefix_caching=False, load_format="dummy",
-        lora_overlap_max_tokens=overlap))
+        **(overrides or {})))
 
 
 def engine_rows(a, names: list[str], table: dict, model_dir: Path, pools: AdapterPools, reqs: list[Request],
                 emit) -> None:
-    """One engine per (rank, overlap) (rank 0 = base): warm it up, then run each of its scenarios."""
-    for rank, overlap in dict.fromkeys(table[n][2:] for n in names):
+    """One engine per (rank, variant) (rank 0 = base): warm it up, then run each of its scenarios."""
+    for rank, variant in dict.fromkeys(table[n][2:] for n in names):
         t_build = time.perf_counter()
         engine = make_engine(model_dir, a, rank, a.max_loras, a.max_num_seqs, a.input_len[1] + a.output_len[1],
-                             max_cpu_loras=a.max_cpu_loras, overlap=overlap)
+                             max_cpu_loras=a.max_cpu_loras, overrides=a.variants.get(variant))
         rec = Recorder(engine)
         warm = make_requests(a.concurrency, (a.input_len[0], min(64, a.input_len[1])),
                              (a.output_len[0], min(16, a.output_len[1])), pools.shape["vocab_size"], None, seed=9)
         warm_pool = pools.pool("warm", rank, a.concurrency) if rank else []
         for pop in (("distinct", "one") if rank else ("none",)):
             drive(engine, rec, assign_adapters(warm, pop, 1), warm_pool, a.concurrency, None, f"warm-{pop}")
-        print(f"# engine rank {rank}{f' overlap {overlap}' if overlap else ''}: built and warmed up in "
+        print(f"# engine rank {rank}{f' {variant} {a.variants[variant]}' if variant else ''}: built and warmed up in "
               f"{time.perf_counter() - t_build:.1f} s", flush=True)
-        for name in (n for n in names if table[n][2:] == (rank, overlap)):
+        for name in (n for n in names if table[n][2:] == (rank, variant)):
             pop, size, _, _ = table[name]
             size = size or len(reqs)
             loras = pools.pool(name.rsplit("-", 1)[0], rank, size) if rank else []
@@ -217,8 +233,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-prompt", type=int)
     p.add_argument("--hf-new", type=int)
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
-    p.add_argument("--lora-overlap", type=int, default=0, metavar="N",
-                   help="also run every LoRA row as '<name>+ov' with EngineArgs.lora_overlap_max_tokens=N")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
+                   help="also run every LoRA row as '<row>+NAME' on an engine with these EngineArgs changed")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--workdir", default=None, help="where model dirs and adapters go (default: a temp dir)")
     a = p.parse_args(argv)
@@ -235,7 +251,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.manual_seed(0)
     if a.tiny and not torch.cuda.is_available():
         torch.set_num_threads(1)  # tiny ops: on a 2-core CI box, 2 threads made a softmax 100x slower (2.5 ms)
-    table = scenarios(a.ranks, a.lora_overlap)
+    a.variants = dict(parse_variant(v) for v in a.variant)
+    table = scenarios(a.ranks, tuple(a.variants))
     known = list(table) + ["hf"]
     picked = [n for n in known if any(fnmatch.fnmatch(n, pat) for pat in a.scenarios.split(","))] \
         if a.scenarios != "all" else known

@@ -211,7 +211,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Recorder:
-    """Per-step wall time and shape (wrapping engine._step_input), and adapter loads (rank 0's runner._load)."""
+    """Per-step wall time and shape (wrapping engine._step_input), and adapter loads from disk (rank 0's
+    background loads and synchronous reloads, on threads or in loader processes)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[tuple[float, bool, int, int, int]] = []  # seconds, prefill, batch, adapters, kv tokens
@@ -225,13 +226,14 @@ class Recorder:
         engine._step_input = recording
         runner = getattr(engine.executor, "runner", None)
         if runner is not None:
-            load = runner._load
+            for name in ("_load_prepared", "_register"):  # every disk load goes through exactly one of them
+                setattr(runner, name, self._counted(getattr(runner, name)))
 
-            def counting(request):
-                self.loads += 1
-                return load(request)
-
-            runner._load = counting
+    def _counted(self, load):
+        def counting(*args):
+            self.loads += 1
+            return load(*args)
+        return counting
 
     def record(self, seconds: float) -> None:
         s, self._last = self._last, None

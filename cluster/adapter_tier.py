@@ -28,7 +28,6 @@ import safetensors.torch
 import torch
 
 from cluster.errors import AdapterNotFoundError, SourceUnavailableError
-from lora_core import errors as lora_errors
 from lora_core.lora_model import WEIGHTS_NAME, LoRAModel
 from lora_core.peft_helper import CONFIG_NAME
 

@@ -39,6 +39,8 @@ class _RankActor:
         return None if method == "execute" else result
 
     def stop(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
         destroy_distributed()
 
 
@@ -85,6 +87,7 @@ class RayExecutor:
         return self.call("execute", step)
 
     def shutdown(self) -> None:
+        self.runner.close()
         try:
             ray.get([a.stop.remote() for a in self._actors], timeout=30)
         except Exception:  # noqa: BLE001 - killing them below is enough

@@ -1,10 +1,10 @@
 """LoRAModelManager: adapters in the host LRU and in the GPU slots of one replica rank.
 
 Two tiers. The host tier (HostLRUCache, ``max_cpu_loras`` entries) holds each
-registered adapter already prepared for this rank's slots: scaling folded
-into B, sub-modules grouped per packed layer, cut for (tp_rank, tp_size) by
-tp.py, transposed to the slot layout, cast to the slot dtype and, on CUDA, in
-pinned memory, so activating it is a handful of non-blocking copies. The GPU
+registered adapter already prepared for this rank's slots by
+host_adapter.AdapterPreparer (scaling folded into B, grouped per packed
+layer, cut for this TP rank, slot layout and dtype; on CUDA in pinned
+memory), so activating it is a handful of non-blocking copies. The GPU
 tier is one LoRASlotBuffers per LoRA-able layer with ``max_loras`` slots,
 allocated once here so serving never allocates.
 
@@ -23,42 +23,20 @@ before it changes anything, so a failure leaves slots and LRU order intact.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from lora_core.config import LoRAConfig
-from lora_core.errors import (AdapterShapeError, LoRACapacityError, LoRAConfigError, RankTooLargeError,
-                              UnknownLoRAError, UnknownTargetModuleError, UnsupportedAdapterError)
+from lora_core.errors import LoRACapacityError, LoRAConfigError, UnknownLoRAError
+from lora_core.host_adapter import AdapterPreparer, HostAdapter
 from lora_core.host_cache import HostLRUCache
-from lora_core.layer_weights import LoRALayerWeights
 from lora_core.lora_model import LoRAModel
 from lora_core.mapping import LoRAMapping
-from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
+from lora_core.module_spec import LoRAKind, LoRAModuleSpec
 from lora_core.slot_buffers import LoRASlotBuffers
-from lora_core.tp import LocalDims, local_dims, local_rank, shard_lora_a, shard_lora_b, shard_lora_bias
-
-
-@dataclass
-class _SliceWrite:
-    """One sub-module's local tensors, already in slot orientation."""
-
-    index: int                  # output slice
-    a: torch.Tensor             # [r_a, in] (embedding: [vocab, r])
-    b: torch.Tensor             # [out_slice, r]
-    b_offset: int               # where the slice starts in lora_b's out dim
-    bias: torch.Tensor | None   # [out_slice]
-    scale: float = 1.0          # multiplies b and bias on their way into host memory (the LoRA scaling)
-
-
-@dataclass
-class _HostAdapter:
-    id: int
-    rank: int
-    modules: dict[str, tuple[torch.Tensor, list[_SliceWrite]]]  # spec name -> (ranks [S] int32, writes)
+from lora_core.tp import LocalDims
 
 
 class LoRAModelManager:
@@ -69,23 +47,18 @@ class LoRAModelManager:
         self.dtype = lora_config.slot_dtype(dtype)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.specs: dict[str, LoRAModuleSpec] = {}
-        self._targets: dict[str, tuple[str, int]] = {}  # PEFT module name -> (spec name, slice)
         for spec in specs:
             if spec.name in self.specs:
                 raise LoRAConfigError(f"two LoRA module specs are named {spec.name!r}")
             self.specs[spec.name] = spec
-            for index, sub in enumerate(spec.sub_module_names()):
-                if sub in self._targets:
-                    raise LoRAConfigError(f"module {sub!r} is packed into two LoRA module specs")
-                self._targets[sub] = (spec.name, index)
-        self._dims = {name: local_dims(spec, tp_rank, tp_size, lora_config.max_lora_rank,
-                                       lora_config.fully_sharded_loras) for name, spec in self.specs.items()}
+        self.preparer = AdapterPreparer(self.specs, lora_config, self.dtype, tp_rank, tp_size)
+        self._dims = self.preparer.dims
         self._buffers = {name: self._allocate(spec, self._dims[name]) for name, spec in self.specs.items()}
         self._pin_host = self.device.type == "cuda" and torch.cuda.is_available()
         self._slots: list[int | None] = [None] * lora_config.max_loras
         self._active: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
         self._running: frozenset[int] = frozenset()
-        self._host: HostLRUCache[int, _HostAdapter] = HostLRUCache(
+        self._host: HostLRUCache[int, HostAdapter] = HostLRUCache(
             lora_config.max_cpu_loras, can_evict=lambda i: i not in self._running, on_evict=self._on_host_evict)
 
     def _allocate(self, spec: LoRAModuleSpec, dims: LocalDims) -> LoRASlotBuffers:
@@ -143,7 +116,7 @@ class LoRAModelManager:
             return False
         return self.add_prepared(self.prepare_adapter(lora))
 
-    def prepare_adapter(self, lora: LoRAModel) -> _HostAdapter:
+    def prepare_adapter(self, lora: LoRAModel) -> HostAdapter:
         """Validate ``lora`` against the slots and copy it into (pinned) host memory, in slot layout.
 
         Touches no cache state, so it may run on a loader thread while steps
@@ -151,9 +124,9 @@ class LoRAModelManager:
         """
         if isinstance(lora.id, bool) or not isinstance(lora.id, int) or lora.id < 1:
             raise LoRAConfigError(f"a LoRA adapter id must be an integer > 0, got {lora.id!r}")
-        return self._prepare(lora)
+        return self.preparer.prepare(lora, "pinned" if self._pin_host else "plain")
 
-    def add_prepared(self, prepared: _HostAdapter) -> bool:
+    def add_prepared(self, prepared: HostAdapter) -> bool:
         """Register a prepare_adapter result in the host LRU; False if that id was already there."""
         if prepared.id in self._host:
             self._host.touch(prepared.id)
@@ -170,97 +143,9 @@ class LoRAModelManager:
         self._host.remove(lora_id)
         return True
 
-    def _on_host_evict(self, lora_id: int, _adapter: _HostAdapter) -> None:
+    def _on_host_evict(self, lora_id: int, _adapter: HostAdapter) -> None:
         if lora_id in self._active:
             self._release(lora_id)
-
-    def _prepare(self, lora: LoRAModel) -> _HostAdapter:
-        where = lora.path or f"LoRA adapter {lora.id}"
-        max_rank = self.config.max_lora_rank
-        if lora.rank > max_rank:
-            raise RankTooLargeError(where, "r", f"rank {lora.rank} exceeds max_lora_rank {max_rank}")
-        grouped: dict[str, list[LoRALayerWeights | None]] = {}
-        for name, layer in lora.loras.items():
-            if name not in self._targets:
-                raise UnknownTargetModuleError(where, name, "the served model has no LoRA-able module of that name")
-            spec_name, index = self._targets[name]
-            self._check_layer(where, name, layer, self.specs[spec_name], index)
-            grouped.setdefault(spec_name, [None] * len(self.specs[spec_name].out_slices))[index] = layer
-        modules = {name: self._prepare_module(self.specs[name], layers) for name, layers in grouped.items()}
-        return _HostAdapter(lora.id, lora.rank, self._to_host(modules))
-
-    def _to_host(self, modules: dict[str, tuple[torch.Tensor, list[_SliceWrite]]]
-                 ) -> dict[str, tuple[torch.Tensor, list[_SliceWrite]]]:
-        """Contiguous copies of every tensor, in the slot dtype, carved from ONE host allocation.
-
-        Pinned (for asynchronous host-to-device copies) when the slots live on
-        CUDA. Pinning is a driver call that costs far more than the copy for
-        small tensors: one per adapter, not one per tensor (an 8B-shaped
-        adapter has some 450 of them).
-        """
-        tensors: list[tuple[torch.Tensor, torch.dtype, float]] = []  # (source, slot dtype, scale)
-        for ranks, writes in modules.values():
-            tensors.append((ranks, torch.int32, 1.0))
-            for w in writes:
-                tensors += [(w.a, self.dtype, 1.0), (w.b, self.dtype, w.scale)]
-                if w.bias is not None:
-                    tensors.append((w.bias, self.dtype, w.scale))
-        sizes = [t.numel() * torch.empty((), dtype=d).element_size() for t, d, _ in tensors]
-        starts = [0]
-        for size in sizes:
-            starts.append(starts[-1] + -(-size // 64) * 64)  # 64-byte aligned, so every dtype can view its slice
-        slab = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=self._pin_host)
-
-        def place(t: torch.Tensor, dtype: torch.dtype, scale: float, start: int, size: int) -> torch.Tensor:
-            dst = slab[start:start + size].view(dtype).view(tuple(t.shape))
-            # As LoRALayerWeights.optimize: the product in the source dtype, rounded once into the slot's.
-            return dst.copy_(t) if scale == 1.0 else torch.mul(t, scale, out=dst)
-
-        copies = iter([place(*t, start, size) for t, start, size in zip(tensors, starts, sizes)])
-        out = {}
-        for name, (_, writes) in modules.items():
-            ranks = next(copies)
-            out[name] = (ranks, [dataclasses.replace(w, a=next(copies), b=next(copies), scale=1.0,
-                                                     bias=next(copies) if w.bias is not None else None)
-                                 for w in writes])
-        return out
-
-    def _check_layer(self, where: str, name: str, layer: LoRALayerWeights, spec: LoRAModuleSpec,
-                     index: int) -> None:
-        if layer.rank > self.config.max_lora_rank:
-            raise RankTooLargeError(where, name, f"rank {layer.rank} exceeds max_lora_rank {self.config.max_lora_rank}")
-        want_a = (spec.in_features, layer.rank)
-        want_b = (layer.rank, spec.out_slices[index])
-        if tuple(layer.lora_a.shape) != want_a or tuple(layer.lora_b.shape) != want_b:
-            raise AdapterShapeError(where, name, f"A {tuple(layer.lora_a.shape)} / B {tuple(layer.lora_b.shape)}, "
-                                                 f"expected A {want_a} / B {want_b}")
-        if layer.bias is not None:
-            if spec.kind is LoRAKind.EMBEDDING:
-                raise UnsupportedAdapterError(where, name, "an embedding LoRA cannot carry a bias")
-            if not self.config.bias_enabled:
-                raise UnsupportedAdapterError(where, name, "LoRA bias is off (LoRAConfig.bias_enabled)")
-            if tuple(layer.bias.shape) != (spec.out_slices[index],):
-                raise AdapterShapeError(where, name, f"bias {tuple(layer.bias.shape)}, expected "
-                                                     f"({spec.out_slices[index]},)")
-
-    def _prepare_module(self, spec: LoRAModuleSpec, layers: list[LoRALayerWeights | None]
-                        ) -> tuple[torch.Tensor, list[_SliceWrite]]:
-        dims, fs = self._dims[spec.name], self.config.fully_sharded_loras
-        cut = dict(shard=spec.shard, tp_rank=self.tp_rank, tp_size=self.tp_size)
-        ranks, writes, offset = [0] * len(layers), [], 0
-        for index, layer in enumerate(layers):
-            if layer is not None:
-                a = shard_lora_a(layer.lora_a, **cut, fully_sharded=fs, max_rank=self.config.max_lora_rank)
-                if spec.shard is ShardKind.COLUMN and fs:  # keep only this rank's real (non-padding) columns
-                    a = a[:, :max(0, min(dims.rank_a, layer.rank - self.tp_rank * dims.rank_a))]
-                b = shard_lora_b(layer.lora_b, **cut, fully_sharded=fs)
-                bias = shard_lora_bias(layer.bias, **cut, fully_sharded=fs)
-                # The scaling is folded in by _to_host's copy: one pass over B, not two.
-                writes.append(_SliceWrite(index, a if dims.is_embedding else a.t(), b.t(), offset, bias,
-                                          layer.scaling))
-                ranks[index] = local_rank(layer.rank, **cut, max_rank=self.config.max_lora_rank, fully_sharded=fs)
-            offset += dims.out_slices[index]
-        return torch.tensor(ranks, dtype=torch.int32), writes  # host copies: _to_host
 
     # ---- GPU tier -------------------------------------------------------------------
 
@@ -345,7 +230,7 @@ class LoRAModelManager:
             buf.ranks[:, slot] = 0
         return slot
 
-    def _write(self, slot: int, adapter: _HostAdapter, stream: "torch.cuda.Stream | None") -> None:
+    def _write(self, slot: int, adapter: HostAdapter, stream: "torch.cuda.Stream | None") -> None:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, buf in self._buffers.items():
                 buf.lora_a[:, slot].zero_()  # no stale rows of a previous, larger-rank occupant

@@ -199,7 +199,7 @@ class AsyncLLMEngine:
         except BaseException as exc:
             dead = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
             dead.__cause__ = exc
-            self._close(dead, lambda: _with_cause(EngineDeadError(str(dead)), exc))
+            self._close(dead, lambda exc=exc: _with_cause(EngineDeadError(str(dead)), exc))
         else:
             self._close(EngineDeadError("the engine was shut down"),
                         lambda: RequestAbortedError("the engine was shut down before the request finished"))

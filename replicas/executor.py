@@ -35,7 +35,7 @@ class UniProcExecutor:
         return self.runner.execute(step)
 
     def shutdown(self) -> None:
-        pass
+        self.runner.close()
 
 
 def _worker_main(rank: int, world: int, init_method: str, cfg: RunnerConfig, conn) -> None:
@@ -57,6 +57,7 @@ def _worker_main(rank: int, world: int, init_method: str, cfg: RunnerConfig, con
             conn.send(("ok", None if method == "execute" else result))
         except BaseException as exc:
             conn.send(("error", exc))
+    runner.close()
     destroy_distributed()
 
 
@@ -108,6 +109,7 @@ class MultiprocExecutor:
         return self.call("execute", step)
 
     def shutdown(self) -> None:
+        self.runner.close()
         for conn in self._conns:
             try:
                 conn.send(("shutdown", ()))

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.lora_layers import add_lora, lora_module_specs
+from replicas.lora_load_process import ProcessAdapterLoader
 from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
 from replicas.parallel import ParallelContext
@@ -72,6 +73,7 @@ class RunnerConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings (sizes graph block tables)
     enforce_eager: bool = False  # on GPU, decode steps replay CUDA graphs unless this is set
     lora_overlap_max_tokens: int = 0  # > 0: LoRA beside the base GEMMs for steps this small (lora_overlap.py)
+    lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
 
 
 class ModelRunner:
@@ -116,6 +118,11 @@ class ModelRunner:
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, cfg.lora_overlap_max_tokens)
         self._specs = specs
         self._expected = sorted({s for spec in specs for s in spec.sub_modules})
+        self._process_loader = None
+        if cfg.lora_load_processes > 0:
+            self._process_loader = ProcessAdapterLoader(cfg.lora_load_processes, self.lora_manager.preparer,
+                                                        self._expected, cfg.lora_config, specs,
+                                                        pin=self.device.type == "cuda")
 
     def _num_kv_blocks(self) -> int:
         """Blocks per rank: the fixed count, or the memory budget over one block's bytes (same on all ranks)."""
@@ -175,8 +182,18 @@ class ModelRunner:
             self._loads[request.lora_int_id] = (request, self._loader.submit(self._load_prepared, request))
 
     def _load_prepared(self, request: LoRARequest):
+        if self._process_loader is not None:
+            return self._process_loader.load(request)
         lora = self._load(request)
         return lora.rank, self.lora_manager.prepare_adapter(lora)
+
+    def close(self) -> None:
+        """Stop the adapter loaders (threads and worker processes); loads in flight are dropped."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
+            self._loader = None
+        if getattr(self, "_process_loader", None) is not None:
+            self._process_loader.shutdown()
 
     def lora_in_host_cache(self, lora_id: int) -> bool:
         """Whether the adapter is registered in host memory now (a step could use it without a load)."""

@@ -171,3 +171,24 @@ def test_an_adapter_the_host_cache_dropped_reloads_in_the_background(demo, loras
         done |= {o.request_id: o for o in engine.step() if o.finished}
     assert done["a"].error is None and done["a"].outputs[0].token_ids == want
     assert runner.lora_in_host_cache(a.lora_int_id)
+
+
+def test_loads_in_worker_processes_serve_the_same_and_fail_alike(demo, loras, tmp_path):
+    """EngineArgs.lora_load_processes: adapters prepared in a spawned process, handed over in shared memory."""
+    names = sorted(loras)
+    lora_list = [loras[names[0]], None, loras[names[1]], loras[names[2]]]
+    prompts = ["SELECT", "Hello", "Once upon a time", "The router"]
+    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu")
+    want = [o.outputs[0].token_ids for o in LLM(str(demo.model_dir), **kwargs).generate(prompts, _greedy(), lora_list)]
+    llm = LLM(str(demo.model_dir), lora_load_processes=1, **kwargs)
+    try:
+        runner = llm.engine.executor.runner
+        thread_loads = []
+        runner._load = lambda request: thread_loads.append(request) or pytest.fail("loaded on a thread")
+        got = llm.generate(prompts, _greedy(), lora_list)
+        assert [o.outputs[0].token_ids for o in got] == want and thread_loads == []
+        out = llm.generate(["Hello"], _greedy(2), [LoRARequest("broken", 9, str(tmp_path))])[0]
+        assert isinstance(out.error, InvalidRequestError) and "adapter_config.json" in str(out.error)
+        assert out.outputs[0].finish_reason == "error"
+    finally:
+        llm.shutdown()
