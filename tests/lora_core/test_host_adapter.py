@@ -41,3 +41,11 @@ def test_prepared_adapter_equals_the_managers_and_the_preparer_pickles():
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="memory must be one of"):
         preparer.prepare(lora, "gpu")
+
+
+@pytest.mark.gpu
+def test_copy_pins_a_shared_adapter():
+    adapter = manager().preparer.prepare(make_lora(7, 8), "shared")
+    pinned = adapter.copy()
+    assert all(t.is_pinned() for t in _flat(pinned))
+    assert all(torch.equal(a, b) for a, b in zip(_flat(pinned), _flat(adapter)))
