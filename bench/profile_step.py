@@ -84,6 +84,13 @@ def main(argv=None) -> None:
             times.sort()
             print(f"{kind:7} steps {len(times):3}  median {1e3 * times[len(times) // 2]:8.2f} ms  "
                   f"sum {1e3 * sum(times):8.1f} ms")
+    if torch.cuda.is_available():
+        # Kernel time the GPU spent against the steps' wall time: the gap is host work the GPU waited for
+        # (the profiler's own overhead included, so an upper bound on the host share).
+        busy_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+        wall_ms = 1e3 * sum(sum(times) for times in kinds.values())
+        print(f"GPU busy {busy_ms:.1f} ms of {wall_ms:.1f} ms wall ({100 * busy_ms / wall_ms:.0f}%) "
+              f"over {a.steps} steps")
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
