@@ -149,9 +149,7 @@ class LLMEngine:
                 return False
             # Evicted from host memory: reload in the background too. (Evicted again before its step, the
             # runner reloads it synchronously: rare, and never wrong.)
-            self.executor.call("start_lora_load", request)
-            self._loading[request.lora_int_id] = request
-            return True
+            return self._begin_load(request)
         if self.lora_config is None:
             raise InvalidRequestError([("lora_request", "this engine was started without enable_lora")])
         loading = self._loading.get(request.lora_int_id)
@@ -164,6 +162,9 @@ class LLMEngine:
                for r in self._loras.values()) or any(r.lora_name == request.lora_name for r in self._loading.values()):
             raise InvalidRequestError([("lora_request", f"lora_int_id {request.lora_int_id} or name "
                                         f"{request.lora_name!r} is already in use")])
+        return self._begin_load(request)
+
+    def _begin_load(self, request: LoRARequest) -> bool:
         self.executor.call("start_lora_load", request)
         self._loading[request.lora_int_id] = request
         return True

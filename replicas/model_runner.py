@@ -97,6 +97,7 @@ class ModelRunner:
         self._lora_requests: dict[int, LoRARequest] = {}
         self._loads: dict[int, tuple[LoRARequest, Future]] = {}  # background loads (start_lora_load)
         self._loader: ThreadPoolExecutor | None = None
+        self._process_loader: ProcessAdapterLoader | None = None  # lora_load_processes > 0
         if cfg.lora_config is not None:  # slots first, so the KV budget sees their memory as used
             self._setup_lora(cfg)
         self.num_blocks = self._num_kv_blocks()
@@ -118,7 +119,6 @@ class ModelRunner:
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, cfg.lora_overlap_max_tokens)
         self._specs = specs
         self._expected = sorted({s for spec in specs for s in spec.sub_modules})
-        self._process_loader = None
         if cfg.lora_load_processes > 0:
             self._process_loader = ProcessAdapterLoader(cfg.lora_load_processes, self.lora_manager.preparer,
                                                         self._expected, cfg.lora_config, specs,
@@ -192,7 +192,7 @@ class ModelRunner:
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
             self._loader = None
-        if getattr(self, "_process_loader", None) is not None:
+        if self._process_loader is not None:
             self._process_loader.shutdown()
 
     def lora_in_host_cache(self, lora_id: int) -> bool:

@@ -7,24 +7,19 @@ import pickle
 import pytest
 import torch
 
-from lora_core.host_adapter import HostAdapter
 from tests.lora_core.test_model_manager import make_lora, manager
-
-
-def _flat(adapter: HostAdapter) -> list[torch.Tensor]:
-    return adapter.tensors()
 
 
 @pytest.mark.parametrize("memory", ["plain", "shared"])
 def test_every_tensor_views_one_slab_and_copy_keeps_them(memory):
     preparer = manager(bias=True).preparer
     adapter = preparer.prepare(make_lora(3, 8, bias=True), memory)
-    tensors = _flat(adapter)
+    tensors = adapter.tensors()
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(storages) == 1 and all(t.is_contiguous() for t in tensors)
     assert all(t.is_shared() for t in tensors) == (memory == "shared")
     moved = adapter.copy(pin_memory=False)
-    new = _flat(moved)
+    new = moved.tensors()
     assert len({t.untyped_storage().data_ptr() for t in new}) == 1 and storages.isdisjoint(
         {t.untyped_storage().data_ptr() for t in new})
     assert [(t.dtype, t.shape) for t in new] == [(t.dtype, t.shape) for t in tensors]
@@ -35,9 +30,9 @@ def test_every_tensor_views_one_slab_and_copy_keeps_them(memory):
 def test_prepared_adapter_equals_the_managers_and_the_preparer_pickles():
     m = manager()
     lora = make_lora(5, 16)
-    want = _flat(m.prepare_adapter(lora))
+    want = m.prepare_adapter(lora).tensors()
     preparer = pickle.loads(pickle.dumps(m.preparer))  # a loader process gets a copy like this
-    got = _flat(preparer.prepare(lora))
+    got = preparer.prepare(lora).tensors()
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="memory must be one of"):
         preparer.prepare(lora, "gpu")
@@ -47,5 +42,5 @@ def test_prepared_adapter_equals_the_managers_and_the_preparer_pickles():
 def test_copy_pins_a_shared_adapter():
     adapter = manager().preparer.prepare(make_lora(7, 8), "shared")
     pinned = adapter.copy()
-    assert all(t.is_pinned() for t in _flat(pinned))
-    assert all(torch.equal(a, b) for a, b in zip(_flat(pinned), _flat(adapter)))
+    assert all(t.is_pinned() for t in pinned.tensors())
+    assert all(torch.equal(a, b) for a, b in zip(pinned.tensors(), adapter.tensors()))
