@@ -11,7 +11,7 @@ LLMEngine.add_request / step. The same requests run in every scenario:
   uniform{N}-r{R}    uniform / Zipf(1.5) popularity over N = 100, 1,000 adapter
   zipf{N}-r{R}       directories (> max_loras GPU slots and > max_cpu_loras host entries);
   <row>+NAME         with --variant NAME:FIELD=VALUE[,...]: the same LoRA row on an engine built
-                     with those EngineArgs fields changed (e.g. ov:lora_overlap_max_tokens=64);
+                     with those EngineArgs fields changed (e.g. lp:lora_load_processes=2);
   hf                 Llama-3.2-1B shape, 32 distinct rank-16 adapters in one batch of 32
                      (128-token prompts, 64 new tokens): HF transformers + PEFT generate
                      with adapter_names=, against ours on the same adapter files.
@@ -30,7 +30,7 @@ CSV to $OUT (or bench/out), rewritten after every row.
     python bench/engine.py                                     # everything (> 10 min on one GPU)
     python bench/engine.py --scenarios 'base,*-r16'            # base is run whenever a LoRA row is
     python bench/engine.py --tiny                              # tiny model on CPU, < 1 min
-    python bench/engine.py --scenarios 'base,one-r16*,distinct-r16*' --variant ov:lora_overlap_max_tokens=64
+    python bench/engine.py --scenarios 'base,one-r16*,distinct-r16*' --variant lp:lora_load_processes=2
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def scenarios(ranks: list[int], variants: tuple[str, ...] = ()) -> dict[str, tup
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """"ov:lora_overlap_max_tokens=64,lora_load_processes=2" -> ("ov", {field: int value, ...})."""
+    """"lp:lora_load_processes=2,max_loras=16" -> ("lp", {field: int value, ...})."""
     name, _, fields = text.partition(":")
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     overrides = {}

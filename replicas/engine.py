@@ -51,9 +51,6 @@ class EngineArgs:
     load_format: str = "auto"  # "dummy": random weights (benchmarks)
     distributed_executor_backend: str | None = None  # "mp" (default) or "module:Class", e.g. the Ray executor
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps (slower; for debugging)
-    # Experimental: steps of up to this many tokens run each layer's LoRA beside its base GEMM on a
-    # side stream (replicas/lora_overlap.py); 0 = off. Not yet measured on a GPU.
-    lora_overlap_max_tokens: int = 0
     # Opt-in: adapter loads in this many worker processes instead of threads, so they share no GIL with
     # the engine (replicas/lora_load_process.py; needs an `if __name__ == "__main__":` guard).
     lora_load_processes: int = 0
@@ -87,7 +84,6 @@ class LLMEngine:
                                   max_num_seqs=args.max_num_seqs, lora_config=self.lora_config,
                                   load_format=args.load_format, max_model_len=args.max_model_len,
                                   enforce_eager=args.enforce_eager,
-                                  lora_overlap_max_tokens=args.lora_overlap_max_tokens,
                                   lora_load_processes=args.lora_load_processes)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
         self.num_decode_graphs = self.executor.call("warm_up")  # GPU: compile kernels, capture decode graphs

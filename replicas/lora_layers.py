@@ -26,21 +26,19 @@ from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
 from lora_core.punica import PunicaWrapper
 from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replicas.layers.linear import ColumnParallelLinear, RowParallelLinear
-from replicas.lora_overlap import LoRAOverlap
 
 
 class _LoRAWrapper(nn.Module):
     """Holds the base layer; attributes it lacks come from the base layer."""
 
     def __init__(self, base: nn.Module, spec: LoRAModuleSpec, manager: LoRAModelManager,
-                 punica: PunicaWrapper, fully_sharded: bool, overlap: LoRAOverlap | None = None) -> None:
+                 punica: PunicaWrapper, fully_sharded: bool) -> None:
         super().__init__()
         self.base = base
         self.spec = spec
         self.manager = manager
         self.punica = punica
         self.sharded = fully_sharded and base.tp_size > 1
-        self.overlap = overlap
 
     def __getattr__(self, name: str):
         try:
@@ -60,17 +58,10 @@ class _LoRAWrapper(nn.Module):
         return self.base.ctx.all_gather(buf, dim=-1)
 
     def _linear_with_lora(self, x: torch.Tensor) -> torch.Tensor:
-        """base_forward(x) plus this layer's LoRA, not fully sharded: in place, or overlapped (LoRAOverlap)."""
+        """base_forward(x) plus this layer's LoRA, added in place (not fully sharded)."""
         b = self.slots
-
-        def add_lora(y: torch.Tensor) -> None:
-            self.punica.add_lora_linear(y, x, b.lora_a, b.lora_b, b.bias, 1.0, b.output_slices, b.ranks)
-
-        width = self.base.weight.shape[0]
-        if self.overlap is not None and self.overlap.applies(x.shape[0], width):
-            return self.overlap.run(x, width, self.base.base_forward, add_lora)
         y = self.base.base_forward(x)
-        add_lora(y)
+        self.punica.add_lora_linear(y, x, b.lora_a, b.lora_b, b.bias, 1.0, b.output_slices, b.ranks)
         return y
 
 
@@ -156,27 +147,18 @@ _WRAPPERS = {LoRAKind.EMBEDDING: VocabParallelEmbeddingWithLoRA, LoRAKind.LOGITS
 
 
 def add_lora(model: nn.Module, manager: LoRAModelManager, punica: PunicaWrapper,
-             lora_config: LoRAConfig, overlap_max_tokens: int = 0) -> list[LoRAModuleSpec]:
-    """Wrap every layer the manager has slots for; call after the base weights are loaded.
-
-    overlap_max_tokens > 0: steps of up to that many tokens run each linear
-    layer's LoRA beside its base GEMM (replicas.lora_overlap; experimental).
-    """
+             lora_config: LoRAConfig) -> list[LoRAModuleSpec]:
+    """Wrap every layer the manager has slots for; call after the base weights are loaded."""
     config = getattr(model, "config", None)
     tp_size = getattr(getattr(model, "ctx", None), "tp_size", 1)
     if config is not None and tp_size > config.num_key_value_heads:
         raise LoRAConfigError(f"LoRA with tensor_parallel_size {tp_size} > {config.num_key_value_heads} kv heads "
                               "(replicated k/v projections) is not supported yet")
-    overlap = None
-    linears = [spec.name for spec in manager.specs.values() if spec.kind is LoRAKind.LINEAR]
-    if overlap_max_tokens > 0 and linears:
-        width = max(model.get_submodule(name).weight.shape[0] for name in linears)  # local output columns
-        overlap = LoRAOverlap(punica.device, overlap_max_tokens, width)
     for spec in manager.specs.values():
         parent_name, _, leaf = spec.name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, leaf)
         cls = _WRAPPERS.get(spec.kind) or (RowParallelLinearWithLoRA if spec.shard is ShardKind.ROW
                                            else ColumnParallelLinearWithLoRA)
-        setattr(parent, leaf, cls(base, spec, manager, punica, lora_config.fully_sharded_loras, overlap))
+        setattr(parent, leaf, cls(base, spec, manager, punica, lora_config.fully_sharded_loras))
     return list(manager.specs.values())

@@ -72,7 +72,6 @@ class RunnerConfig:
     load_format: str = "auto"  # "dummy": random weights, for benchmarks of model shapes with no checkpoint
     max_model_len: int | None = None  # default: the model's max_position_embeddings (sizes graph block tables)
     enforce_eager: bool = False  # on GPU, decode steps replay CUDA graphs unless this is set
-    lora_overlap_max_tokens: int = 0  # > 0: LoRA beside the base GEMMs for steps this small (lora_overlap.py)
     lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
 
 
@@ -116,7 +115,7 @@ class ModelRunner:
                                              self.ctx.tp_rank, self.ctx.tp_size)
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs)
-        add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, cfg.lora_overlap_max_tokens)
+        add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)
         self._specs = specs
         self._expected = sorted({s for spec in specs for s in spec.sub_modules})
         if cfg.lora_load_processes > 0:
