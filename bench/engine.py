@@ -10,8 +10,9 @@ LLMEngine.add_request / step. The same requests run in every scenario:
   distinct-r{R}      every request its own adapter;
   uniform{N}-r{R}    uniform / Zipf(1.5) popularity over N = 100, 1,000 adapter
   zipf{N}-r{R}       directories (> max_loras GPU slots and > max_cpu_loras host entries);
-  <row>+NAME         with --variant NAME:FIELD=VALUE[,...]: the same LoRA row on an engine built
-                     with those EngineArgs fields changed (e.g. lp:lora_load_processes=2);
+  <row>+NAME         with --variant NAME:FIELD=VALUE[,...]: the same row on an engine built with
+                     those EngineArgs fields changed (e.g. sync:async_scheduling=0); a LoRA
+                     twin's x base is against base+NAME, base+NAME's against base;
   hf                 Llama-3.2-1B shape, 32 distinct rank-16 adapters in one batch of 32
                      (128-token prompts, 64 new tokens): HF transformers + PEFT generate
                      with adapter_names=, against ours on the same adapter files.
@@ -73,9 +74,10 @@ HEADS = ["scenario", "r", "#reg", "tok/s", "ttft50", "ttft99", "tpot50", "tpot99
 def scenarios(ranks: list[int], variants: tuple[str, ...] = ()) -> dict[str, tuple[str, int, int, str]]:
     """name -> (popularity, pool size (0: one per request), rank, variant ("" = the default engine)).
 
-    Every LoRA row gets a twin "<name>+<variant>" per variant, run in the same call.
+    Every row gets a twin "<name>+<variant>" per variant, run in the same call.
     """
     table = {"base": ("none", 0, 0, "")}
+    table.update({f"base+{v}": ("none", 0, 0, v) for v in variants})
     for r in ranks:
         for variant in ("",) + tuple(variants):
             suffix = f"+{variant}" if variant else ""
@@ -234,7 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-new", type=int)
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
-                   help="also run every LoRA row as '<row>+NAME' on an engine with these EngineArgs changed")
+                   help="also run every row as '<row>+NAME' on an engine with these EngineArgs changed")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--workdir", default=None, help="where model dirs and adapters go (default: a temp dir)")
     a = p.parse_args(argv)
@@ -281,13 +283,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
           + f"  in {a.input_len}  out {a.output_len}  max_loras {a.max_loras}  "
           f"max_cpu_loras {a.max_cpu_loras or 2 * a.max_loras}  ranks {a.ranks}", flush=True)
     rows: list[dict] = []
-    base: dict = {}
+    bases: dict[str, dict] = {}  # variant ("" = default) -> its base row
 
     def emit(row: dict) -> None:
-        nonlocal base
-        if row["scenario"] == "base":
-            base = row
+        variant = row["scenario"].partition("+")[2]
+        if row.get("rank") == 0:
+            bases[variant] = row
         if "decode_ms" in row:
+            # LoRA rows against the base row of their own engine settings; base twins against the default
+            base = bases[""] if row["rank"] == 0 else bases.get(variant, bases[""])
             row = add_physics(row, base, shape, esize, bw, a.tp)
         row = dict(row, device=name, copy_tb_s=bw / 1e12)
         rows.append(row)

@@ -219,9 +219,10 @@ class Recorder:
         self.loads, self._last = 0, None
         make_input = engine._step_input
 
-        def recording(out):
-            self._last = make_input(out)
-            return self._last
+        def recording(out, previous):
+            inputs = make_input(out, previous)
+            self._last = inputs[0]
+            return inputs
 
         engine._step_input = recording
         runner = getattr(engine.executor, "runner", None)

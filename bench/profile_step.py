@@ -53,9 +53,9 @@ def main(argv=None) -> None:
     make_input = engine._step_input
     last = {}
 
-    def recording(out):
+    def recording(out, previous):
         last["prefill"] = any(s.is_prefill for s in out.scheduled)
-        return make_input(out)
+        return make_input(out, previous)
 
     engine._step_input = recording
 

@@ -109,12 +109,15 @@ class DecodeGraphs:
         return seq_lens
 
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
-            batch: int) -> torch.Tensor:
+            batch: int, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Logits [len(input_ids), V] of a loaded decode step (the LoRA metadata is already set for batch rows).
 
+        fill(input_ids) may then overwrite token ids on the device (async scheduling's pending tokens).
         A view of a static buffer: valid until the next step.
         """
         seq_lens = self.load(input_ids, positions, block_tables, batch)
+        if fill is not None:
+            fill(self.input_ids[:batch])
         n = len(input_ids)
         if not self.capture:
             self.logits[:batch].copy_(self._forward(self.input_ids[:batch], self.positions[:batch],

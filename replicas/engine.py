@@ -5,6 +5,16 @@ sampling parameters, adapter), so a bad request fails alone and the engine
 keeps serving the others. step() runs one model step for the whole mixed
 batch and returns a cumulative RequestOutput for every request it advanced
 or finished.
+
+Async scheduling (EngineArgs.async_scheduling, on by default for one GPU rank):
+step() launches step N+1 before it reads back the tokens step N sampled, so
+the host's work for a step (reading tokens back, stop checks, detokenizing,
+outputs, scheduling, inputs) runs while the GPU computes instead of between
+its steps. Step N's sampled tokens enter the scheduler as PENDING_TOKEN
+placeholders (lengths and max_tokens are known without them) and reach step
+N+1's inputs by a copy on the device. A request that a stop token or string
+ends at step N has computed one more token in step N+1, which is dropped.
+step() therefore returns the outputs of the previous step's tokens.
 """
 
 from __future__ import annotations
@@ -22,10 +32,10 @@ from replicas.errors import InvalidRequestError
 from replicas.executor import make_executor
 from replicas.model_runner import RunnerConfig, StepInput
 from replicas.outputs import CompletionOutput, RequestOutput
-from replicas.sampler import Sampler
+from replicas.sampler import Sampler, SamplerOutput
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from replicas.sequence import Sequence
+from replicas.sequence import PENDING_TOKEN, Sequence
 from replicas.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -54,12 +64,38 @@ class EngineArgs:
     # Opt-in: adapter loads in this many worker processes instead of threads, so they share no GIL with
     # the engine (replicas/lora_load_process.py; needs an `if __name__ == "__main__":` guard).
     lora_load_processes: int = 0
+    # Launch each step before the previous one's tokens are read back (module docstring). None: on for
+    # CUDA. Needs an executor that takes tokens on the device (one rank: UniProcExecutor); else off.
+    # On CPU the model runs synchronously, so it only delays outputs by a step (tests force it on).
+    async_scheduling: bool | None = None
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                           max_cpu_loras=self.max_cpu_loras, fully_sharded_loras=self.fully_sharded_loras)
+
+
+@dataclass
+class _SampledStep:
+    """A step whose tokens were sampled on the device: what reading them back needs."""
+
+    out: SchedulerOutput
+    samplers: list[Sequence]  # row i of sampled.token_ids samples for samplers[i]
+    sampled: SamplerOutput
+    host_tokens: torch.Tensor | None = None  # CUDA: pinned copy of the tokens, valid once `ready` fired
+    ready: torch.cuda.Event | None = None
+    pending: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, output index, row)
+
+    @property
+    def rows(self) -> dict[str, int]:
+        return {seq.request_id: i for i, seq in enumerate(self.samplers)}
+
+    def tokens(self) -> list[int]:
+        if self.ready is None:
+            return self.sampled.token_ids.tolist()
+        self.ready.synchronize()
+        return self.host_tokens.tolist()
 
 
 @dataclass
@@ -105,6 +141,9 @@ class LLMEngine:
         self._parked: dict[int, list[Sequence]] = {}
         self._aborted_parked: list[Sequence] = []
         self._waiters: dict[int, list[Future]] = {}  # begin_add_lora futures, by lora id
+        wanted = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        self.async_scheduling = bool(wanted) and getattr(self.executor, "takes_device_tokens", False)
+        self._in_flight: _SampledStep | None = None  # launched, tokens not read back yet
 
     # ---- adapters ---------------------------------------------------------------------------
 
@@ -301,42 +340,89 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or any(self._parked.values()) or bool(self._aborted_parked)
-                or any(self._waiters.values()))
+                or any(self._waiters.values()) or self._in_flight is not None)
 
     # ---- one step ---------------------------------------------------------------------------
 
     def waiting_only_for_loads(self) -> bool:
         """Nothing to compute until an adapter load ends (requests or add_lora callers wait on one)."""
-        return (not self.scheduler.has_unfinished() and not self._aborted_parked
+        return (not self.scheduler.has_unfinished() and not self._aborted_parked and self._in_flight is None
                 and (any(self._parked.values()) or any(self._waiters.values())))
 
     def step(self, wait_for_loads: bool = True) -> list[RequestOutput]:
-        """One model step. When only adapter loads are pending, wait for one (wait_for_loads) or return."""
+        """One model step. When only adapter loads are pending, wait for one (wait_for_loads) or return.
+
+        With async scheduling the outputs are those of the previous step's tokens (module docstring).
+        """
         failed = self._collect_loads(block=wait_for_loads and self.waiting_only_for_loads())
+        previous, self._in_flight = self._in_flight, None
         out = self.scheduler.schedule()
         touched: dict[str, Sequence] = {seq.request_id: seq for seq in self._aborted_parked}
         self._aborted_parked = []
+        logits = None
         if out.scheduled:
-            samplers = [s.seq for s in out.scheduled if s.samples]
-            logits = self.executor.execute(self._step_input(out))
+            logits = self.executor.execute(*self._step_input(out, previous))
             self._prefetch()  # on a GPU the step is still running: adapter copies overlap it
-            sampled = self.sampler.sample(logits, samplers)
-            tokens = sampled.token_ids.tolist()
-            self.scheduler.update_from_output(out, {s.request_id: t for s, t in zip(samplers, tokens)})
-            for seq, token, lp in zip(samplers, tokens, sampled.logprobs):
-                state = self._requests[seq.request_id]
-                if state.logprobs is not None and lp is not None:
-                    state.logprobs.append(lp.as_dict())
-                params = seq.sampling_params
-                hide = token in params.stop_token_ids and not params.include_stop_str_in_output
-                delta = state.detok.add_tokens([] if hide else [token])  # a stop token's text is not output
-                if delta.stopped:
-                    if seq.finish_reason == "length":  # the last allowed token also completed a stop string
-                        seq.set_finished("stop", state.detok.stop_str)
-                    else:
-                        self.scheduler.finish(seq, "stop", state.detok.stop_str)
-                touched[seq.request_id] = seq
-        for seq in out.finished:
+        if previous is not None:
+            self._read_back(previous, touched)  # on a GPU this step runs meanwhile
+        step = self._sample(out, logits) if out.scheduled else None
+        if step is not None and not self.async_scheduling:
+            self._advance(step)
+            self._read_back(step, touched)
+        results = self._outputs(touched, out.finished)
+        if step is not None and self.async_scheduling:
+            self._advance(step)  # after the outputs: no output may hold a placeholder
+            self._in_flight = step
+        return failed + results
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> _SampledStep:
+        """Sample on the device and start copying the tokens back."""
+        samplers = [s.seq for s in out.scheduled if s.samples]
+        step = _SampledStep(out, samplers, self.sampler.sample(logits, samplers))
+        ids = step.sampled.token_ids
+        if ids.is_cuda:
+            step.host_tokens = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            step.host_tokens.copy_(ids, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
+
+    def _advance(self, step: _SampledStep) -> None:
+        """The scheduler records the step, with a placeholder for each sampled token."""
+        samplers = step.samplers
+        self.scheduler.update_from_output(step.out, dict.fromkeys((s.request_id for s in samplers), PENDING_TOKEN))
+        for row, seq in enumerate(samplers):  # those finished before this step appended nothing
+            if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
+                step.pending.append((seq, seq.num_output_tokens - 1, row))
+
+    def _read_back(self, step: _SampledStep, touched: dict[str, Sequence]) -> None:
+        """Put a sampled step's real tokens in place; stop tokens, EOS and stop strings finish requests."""
+        tokens = step.tokens()
+        for seq, index, row in step.pending:
+            token = tokens[row]
+            seq.output_token_ids[index] = token
+            state = self._requests[seq.request_id]
+            lp = step.sampled.logprobs[row]
+            if state.logprobs is not None and lp is not None:
+                state.logprobs.append(lp.as_dict())
+            reason, stop = self.scheduler.token_stop(seq, token)
+            if reason is not None:
+                self._stop(seq, reason, stop)
+            params = seq.sampling_params
+            hide = token in params.stop_token_ids and not params.include_stop_str_in_output
+            delta = state.detok.add_tokens([] if hide else [token])  # a stop token's text is not output
+            if delta.stopped:
+                self._stop(seq, "stop", state.detok.stop_str)
+            touched[seq.request_id] = seq
+
+    def _stop(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, reason, stop_reason)
+        elif seq.finish_reason == "length":  # the last allowed token was also a stop token or string
+            seq.set_finished(reason, stop_reason)
+
+    def _outputs(self, touched: dict[str, Sequence], finished: list[Sequence]) -> list[RequestOutput]:
+        for seq in finished:
             touched.setdefault(seq.request_id, seq)
         for request_id, seq in list(touched.items()):
             if seq.is_finished and request_id not in self._requests:
@@ -345,7 +431,7 @@ class LLMEngine:
         for seq in touched.values():
             if seq.is_finished:
                 self._requests.pop(seq.request_id, None)
-        return failed + results
+        return results
 
     def _prefetch(self) -> None:
         if self.lora_config is not None:
@@ -353,19 +439,28 @@ class LLMEngine:
             if ids:
                 self.executor.call("prefetch_loras", ids)
 
-    def _step_input(self, out: SchedulerOutput) -> StepInput:
+    def _step_input(self, out: SchedulerOutput, previous: _SampledStep | None) -> tuple[StepInput, torch.Tensor | None]:
+        """The step's inputs, and the previous step's device tokens when some inputs are still pending."""
         step = StepInput([], [], [], [], [], [], [], [], is_prefill=any(s.is_prefill for s in out.scheduled))
+        rows = previous.rows if previous is not None else {}
         for s in out.scheduled:
             seq = s.seq
             step.sample_rows += [len(step.input_ids) + s.num_new_tokens - 1] if s.samples else []
-            step.input_ids += s.token_ids
+            ids = s.token_ids
+            if ids[-1] == PENDING_TOKEN:  # only a sequence's newest token can be pending
+                step.fill_rows.append(len(step.input_ids) + len(ids) - 1)
+                step.fill_from.append(rows[seq.request_id])
+                ids[-1] = 0
+            step.input_ids += ids
             step.positions += list(range(s.start, s.start + s.num_new_tokens))
             step.query_lens.append(s.num_new_tokens)
             step.seq_lens.append(s.start + s.num_new_tokens)
             step.block_tables.append(list(seq.block_table))
             step.token_lora_ids += [seq.lora_int_id] * s.num_new_tokens
             step.sample_lora_ids += [seq.lora_int_id] if s.samples else []
-        return step
+        if not step.fill_rows:
+            return (step,)
+        return step, previous.sampled.token_ids
 
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self._requests[seq.request_id]

@@ -21,6 +21,8 @@ from replicas.parallel import TEARDOWN_TIMEOUT_S, backend_for, destroy_distribut
 
 
 class UniProcExecutor:
+    takes_device_tokens = True  # execute() accepts the previous step's tokens as a device tensor
+
     def __init__(self, cfg: RunnerConfig) -> None:
         self.runner = ModelRunner(cfg)
 
@@ -31,8 +33,8 @@ class UniProcExecutor:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.runner, method)(*args)
 
-    def execute(self, step: StepInput) -> torch.Tensor:
-        return self.runner.execute(step)
+    def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.runner.execute(step, previous_tokens)
 
     def shutdown(self) -> None:
         self.runner.close()

@@ -55,6 +55,10 @@ class StepInput:
     token_lora_ids: list[int] = field(default_factory=list)  # one per token, 0 = base
     sample_lora_ids: list[int] = field(default_factory=list)  # one per sampled row
     is_prefill: bool = True
+    # Async scheduling: input rows whose token the previous step sampled and the host has not read
+    # back yet; execute() copies them on the device from that step's tokens (row fill_from[i]).
+    fill_rows: list[int] = field(default_factory=list)
+    fill_from: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -358,16 +362,30 @@ class ModelRunner:
         self.punica.update_metadata(mapping, self.lora_manager.prepare_batch(mapping))
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """Run the step; returns float32 logits [len(sample_rows), vocab]."""
+    def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the step; returns float32 logits [len(sample_rows), vocab].
+
+        previous_tokens: the previous step's sampled token ids, on this device, when step.fill_rows
+        names input rows that take one of them.
+        """
         dev = self.device
         batch = self._graph_batch(step)
         if self.lora_manager is not None:
             self._set_lora_mapping(step, 0 if batch is None else batch - len(step.input_ids))
+
+        def fill(input_ids: torch.Tensor) -> None:
+            if step.fill_rows:
+                if previous_tokens is None:
+                    raise ValueError("the step reads tokens of the previous step, and none were given")
+                rows = torch.tensor(step.fill_rows + step.fill_from, dtype=torch.long).to(dev, non_blocking=True)
+                n = len(step.fill_rows)
+                input_ids.index_copy_(0, rows[:n], previous_tokens.index_select(0, rows[n:]))
+
         if batch is not None:
-            return self.decode_graphs.run(step.input_ids, step.positions, step.block_tables, batch)
+            return self.decode_graphs.run(step.input_ids, step.positions, step.block_tables, batch, fill)
         meta = AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables, self.cfg.block_size, dev)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        fill(input_ids)
         positions = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = torch.tensor(step.sample_rows, dtype=torch.long).to(dev, non_blocking=True)

@@ -62,7 +62,12 @@ class ScheduledSequence:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.start : self.start + self.num_new_tokens]
+        # Slices, not all_token_ids: that copies the whole sequence, every step, for every sequence.
+        prompt, outputs = self.seq.prompt_token_ids, self.seq.output_token_ids
+        start, end, n = self.start, self.start + self.num_new_tokens, len(prompt)
+        if start >= n:
+            return outputs[start - n : end - n]
+        return prompt[start:end] + outputs[: max(end - n, 0)]
 
 
 @dataclass
@@ -232,7 +237,9 @@ class Scheduler:
 
         ``sampled`` maps request id -> token for the sequences whose chunk
         reached their end. Returns the sequences that finished in this call.
-        Sequences aborted since the step was scheduled are skipped.
+        Sequences aborted since the step was scheduled are skipped. A token
+        may be PENDING_TOKEN (async scheduling): only the length limits apply
+        then, and the engine checks the real token with token_stop() later.
         """
         finished: list[Sequence] = []
         for sched in output.scheduled:
@@ -253,12 +260,21 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+    @staticmethod
+    def token_stop(seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """("stop", stop_reason) if this sampled token ends seq (a stop token id, or EOS), else (None, None)."""
         params = seq.sampling_params
         if token in params.stop_token_ids:
             return "stop", token
         if not params.ignore_eos and token in seq.eos_token_ids:
             return "stop", None
+        return None, None
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        reason, stop = self.token_stop(seq, token)
+        if reason is not None:
+            return reason, stop
+        params = seq.sampling_params
         if seq.num_output_tokens >= params.max_tokens:
             return "length", None
         if self.config.max_model_len is not None and seq.num_tokens >= self.config.max_model_len:

@@ -15,6 +15,11 @@ from lora_core.request import LoRARequest
 from replicas.sampling_params import SamplingParams
 
 
+# An output token sampled by a step whose result has not been read back yet (async scheduling):
+# it holds the token's place, so lengths, positions and max_tokens are right, until the engine
+# writes the real id. Never fed to the model: the runner copies the sampled id on the device.
+PENDING_TOKEN = -1
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -56,9 +56,9 @@ def test_padded_static_decode_equals_eager(demo, loras):
     seen = []
     run = graphs.run
 
-    def counting_run(input_ids, positions, block_tables, batch):
+    def counting_run(input_ids, positions, block_tables, batch, fill=None):
         seen.append((len(input_ids), batch))
-        return run(input_ids, positions, block_tables, batch)
+        return run(input_ids, positions, block_tables, batch, fill)
 
     graphs.run = counting_run
     runner.decode_graphs = graphs

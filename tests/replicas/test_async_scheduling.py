@@ -1,0 +1,147 @@
+"""Async scheduling (EngineArgs.async_scheduling): step N+1 launches before step N's tokens are read back.
+
+It must change when the host learns a token, never which tokens come out: every
+test compares against the same engine with async_scheduling=False (CPU,
+float32, the demo checkpoint and adapters).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from replicas.sequence import PENDING_TOKEN
+from tests.replicas.engine_cases import (PROMPTS, assert_no_leaked_blocks, greedy, make_llm,  # noqa: F401  (fixture)
+                                         register, run_steps, seeded)
+
+
+def _adapters(loras):
+    names = sorted(loras)
+    return [loras[names[0]], None, loras[names[1]], loras[names[2]], None, loras[names[3]]]
+
+
+def _summary(outputs):
+    rows = []
+    for out in outputs:
+        assert out.error is None, out.error
+        c = out.outputs[0]
+        rows.append((c.token_ids, c.text, c.finish_reason, c.stop_reason))
+    return rows
+
+
+def _stopping_params(reference):
+    """Per prompt, settings that end it early at different points, read off a free-running reference."""
+    params = []
+    for i, out in enumerate(reference):
+        ids, text = out.outputs[0].token_ids, out.outputs[0].text
+        kind = i % 3
+        if kind == 0:  # a stop token id, sampled at the 4th step
+            params.append(greedy(16, stop_token_ids=[ids[3]], logprobs=2))
+        elif kind == 1 and len(text.strip()) > 8:  # a stop string from the middle of the text
+            params.append(greedy(16, stop=[text[len(text) // 2 : len(text) // 2 + 3]]))
+        else:
+            params.append(greedy(5 + i, presence_penalty=0.5, frequency_penalty=0.3))
+    return params
+
+
+def test_async_is_off_by_default_on_cpu_and_can_be_forced(make_llm):  # noqa: F811
+    assert not make_llm().engine.async_scheduling  # a CPU step runs synchronously: nothing to overlap
+    assert make_llm(async_scheduling=True).engine.async_scheduling
+
+
+def test_stops_penalties_and_logprobs_equal_sync(make_llm, loras):  # noqa: F811
+    lora_list = _adapters(loras)
+    sync, fast = make_llm(async_scheduling=False), make_llm(async_scheduling=True)
+    params = _stopping_params(sync.generate(PROMPTS, [greedy(16) for _ in PROMPTS], lora_list))
+    want = sync.generate(PROMPTS, params, lora_list)
+    got = fast.generate(PROMPTS, params, lora_list)
+    assert _summary(got) == _summary(want)
+    assert {w.outputs[0].finish_reason for w in want} >= {"stop", "length"}  # both kinds of ending ran
+    for g, w in zip(got, want):
+        if w.outputs[0].logprobs is not None:
+            assert [d.keys() for d in g.outputs[0].logprobs] == [d.keys() for d in w.outputs[0].logprobs]
+            for gd, wd in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert all(abs(gd[k] - wd[k]) < 1e-4 for k in gd)
+    assert_no_leaked_blocks(fast)  # the token computed after a stop was dropped with its blocks
+
+
+def test_seeded_sampling_equals_sync(make_llm, loras):  # noqa: F811
+    lora_list = _adapters(loras)
+    params = [seeded(10 + i, max_tokens=12) for i in range(len(PROMPTS))]
+    want = make_llm(async_scheduling=False).generate(PROMPTS, params, lora_list)
+    assert _summary(make_llm(async_scheduling=True).generate(PROMPTS, params, lora_list)) == _summary(want)
+
+
+def test_streamed_outputs_never_hold_a_placeholder_and_only_grow(make_llm):  # noqa: F811
+    llm = make_llm(async_scheduling=True)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, greedy(6 + i))
+    seen: dict[str, list[int]] = {}
+    steps = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps.append(len(outs))
+        for out in outs:
+            ids = list(out.outputs[0].token_ids)
+            assert PENDING_TOKEN not in ids
+            before = seen.get(out.request_id, [])
+            assert ids[: len(before)] == before and len(ids) >= len(before)
+            seen[out.request_id] = ids
+    assert {k: len(v) for k, v in seen.items()} == {str(i): 6 + i for i in range(len(PROMPTS))}
+    assert steps[0] == 0  # the first step's tokens are read back by the second step
+    assert_no_leaked_blocks(llm)
+
+
+def test_abort_while_a_step_is_in_flight(make_llm):  # noqa: F811
+    want = make_llm(async_scheduling=False).generate(PROMPTS, [greedy(10) for _ in PROMPTS])
+    llm = make_llm(async_scheduling=True)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, greedy(10))
+    engine.step()
+    engine.step()
+    assert engine._in_flight is not None
+    assert engine.abort("2")
+    final = run_steps(engine)
+    assert final["2"].outputs[0].finish_reason == "abort"
+    assert PENDING_TOKEN not in final["2"].outputs[0].token_ids
+    for i, w in enumerate(want):
+        if i != 2:
+            assert final[str(i)].outputs[0].token_ids == w.outputs[0].token_ids
+    assert_no_leaked_blocks(llm)
+
+
+def test_preemption_with_async_equals_sync(make_llm, loras):  # noqa: F811
+    """Sequences preempted while their newest token is still pending resume with the real token."""
+    lora_list = _adapters(loras)
+    params = [greedy(36, ignore_eos=True) for _ in PROMPTS]
+    want = make_llm(async_scheduling=False).generate(PROMPTS, params, lora_list)
+    small = make_llm(num_kv_blocks=5, block_size=16, enable_prefix_caching=False, async_scheduling=True)
+    engine = small.engine
+    register(engine, lora_list)
+    for i, (prompt, p, lora) in enumerate(zip(PROMPTS, params, lora_list)):
+        engine.add_request(str(i), prompt, p, lora)
+    seqs = dict(engine.scheduler.requests)
+    final = run_steps(engine)
+    assert sum(s.num_preemptions for s in seqs.values()) > 0
+    assert _summary(final[str(i)] for i in range(len(PROMPTS))) == _summary(want)
+    assert_no_leaked_blocks(small)
+
+
+@pytest.mark.gpu
+def test_on_gpu_with_graphs_equals_sync(demo, loras):
+    """The real thing: pinned read-back behind an event, pending tokens copied into the graphs' inputs."""
+    from replicas.llm import LLM
+
+    def make(**kwargs):
+        return LLM(str(demo.model_dir), enable_lora=True, max_loras=4, max_lora_rank=32, dtype="float32",
+                   kv_cache_memory_bytes=1 << 28, **kwargs)
+
+    lora_list = _adapters(loras)
+    sync = make(async_scheduling=False)
+    params = _stopping_params(sync.generate(PROMPTS, [greedy(16) for _ in PROMPTS], lora_list))
+    want = sync.generate(PROMPTS, params, lora_list)
+    fast = make()
+    assert fast.engine.async_scheduling and fast.engine.num_decode_graphs > 0
+    assert _summary(fast.generate(PROMPTS, params, lora_list)) == _summary(want)
+    assert_no_leaked_blocks(fast)
