@@ -14,7 +14,9 @@ its steps. Step N's sampled tokens enter the scheduler as PENDING_TOKEN
 placeholders (lengths and max_tokens are known without them) and reach step
 N+1's inputs by a copy on the device. A request that a stop token or string
 ends at step N has computed one more token in step N+1, which is dropped.
-step() therefore returns the outputs of the previous step's tokens.
+step() therefore returns the outputs of the previous step's tokens. Steps
+with prompt tokens run eagerly, so before one of those the previous tokens
+are read back first (a new request's first token is not held back).
 """
 
 from __future__ import annotations
@@ -359,6 +361,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         touched: dict[str, Sequence] = {seq.request_id: seq for seq in self._aborted_parked}
         self._aborted_parked = []
+        if previous is not None and any(s.is_prefill for s in out.scheduled):
+            # A step with prompt tokens runs eagerly: launching it takes the host about as long as the
+            # GPU takes to run it, so overlapping buys little and would hold back the previous tokens
+            # (new requests' first tokens among them) for that long. Read them back first.
+            self._read_back(previous, touched)
+            previous = None
+            out.scheduled = [s for s in out.scheduled if not s.seq.is_finished]  # stopped: blocks freed
         logits = None
         if out.scheduled:
             logits = self.executor.execute(*self._step_input(out, previous))

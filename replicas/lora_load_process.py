@@ -6,14 +6,15 @@ out), and the engine's thread waits for it at every torch call. Here a
 spawned worker process reads, validates and lays out the adapter
 (host_adapter.AdapterPreparer) in shared memory, and the engine's process
 only copies that one slab into pinned memory (one copy_, which releases the
-GIL). Whether that pays is what bench/load_contention.py measures: on the
-2-vCPU dev machine loads slowed a tiny engine's steps ~2x either way (its
-vCPUs share a core, so any concurrent work does); on a GPU host it is not
-measured yet, hence opt-in.
+GIL). On an H200 host (bench/load_contention.py) loads on a thread slowed
+a tiny engine's steps 1.78x at the median, in a process 0.93x (no slowdown),
+at the same load rate; with the 8B engine, rows with many loads gained 11-26%
+tok/s (bench/RESULTS.md, fourth session).
 
 Worker processes are spawned, so a script that builds an engine with this on
 must guard its entry point with ``if __name__ == "__main__":`` (as for tensor
-parallelism).
+parallelism); hence opt-in for LLM() users, and on in deploy/config.gpu.yaml
+(a Serve replica is a Ray worker, whose entry point is guarded).
 """
 
 from __future__ import annotations

@@ -145,3 +145,22 @@ def test_on_gpu_with_graphs_equals_sync(demo, loras):
     assert fast.engine.async_scheduling and fast.engine.num_decode_graphs > 0
     assert _summary(fast.generate(PROMPTS, params, lora_list)) == _summary(want)
     assert_no_leaked_blocks(fast)
+
+
+def test_a_stop_read_back_before_a_prompt_step_drops_the_request_from_it(make_llm):  # noqa: F811
+    """Before a step with prompt tokens the previous tokens are read back first; a request they stop
+    leaves that step's batch (its blocks are already free) and the newcomer's tokens are unaffected."""
+    want = make_llm(async_scheduling=False).generate(PROMPTS[:2], [greedy(8), greedy(8)])
+    first = want[0].outputs[0].token_ids
+    llm = make_llm(async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], greedy(8, stop_token_ids=[first[2]]))
+    final = {}
+    for _ in range(3):  # prompt, then two decode steps: the stop token is sampled, not yet read back
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine._in_flight is not None and "a" not in final
+    engine.add_request("b", PROMPTS[1], greedy(8))
+    final.update(run_steps(engine))
+    assert final["a"].outputs[0].token_ids == first[:3] and final["a"].outputs[0].finish_reason == "stop"
+    assert final["b"].outputs[0].token_ids == want[1].outputs[0].token_ids
+    assert_no_leaked_blocks(llm)
