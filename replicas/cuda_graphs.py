@@ -70,6 +70,13 @@ class DecodeGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
 
+    def release(self) -> None:
+        """Free every captured graph and their memory pool (the runner is closing)."""
+        if self.graphs and torch.cuda.is_available():
+            torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self._pool = None
+
     def padded_size(self, num_seqs: int) -> int | None:
         """The smallest captured size that holds num_seqs sequences (None: too many, run eager)."""
         return next((s for s in self.sizes if s >= num_seqs), None)

@@ -191,7 +191,11 @@ class ModelRunner:
         return lora.rank, self.lora_manager.prepare_adapter(lora)
 
     def close(self) -> None:
-        """Stop the adapter loaders (threads and worker processes); loads in flight are dropped."""
+        """Stop the adapter loaders (threads and worker processes; loads in flight are dropped) and free
+        the decode graphs: with tensor parallelism they hold NCCL collectives, so they must go before
+        the process group does."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
             self._loader = None

@@ -114,3 +114,16 @@ def test_synthetic_warm_up_step_runs_every_layout(demo):
         logits = runner.synthetic_step(tokens, adapters)
         assert logits.shape == (1, runner.model_config.vocab_size) and torch.isfinite(logits).all()
         assert runner.punica.token_meta.num_rows == tokens and runner.punica.sampler_meta.num_rows == 1
+
+
+@pytest.mark.gpu
+def test_shutdown_frees_the_graphs_before_the_process_group(demo):
+    """With TP the graphs hold NCCL collectives: a second TP engine in one process failed ("NCCL
+    communicator was aborted") until they were freed before the group (bench/tp_restart.py)."""
+    from replicas.llm import LLM
+
+    llm = LLM(str(demo.model_dir), dtype="float32", kv_cache_memory_bytes=1 << 26)
+    graphs = llm.engine.executor.runner.decode_graphs
+    assert graphs.graphs
+    llm.engine.shutdown()
+    assert not graphs.graphs and graphs._pool is None
