@@ -68,11 +68,16 @@ class RayExecutor:
     def model_config(self):
         return self.runner.model_config
 
+    takes_device_tokens = True  # rank 0's execute() takes them; runners send them on to the others
+
     def call(self, method: str, *args: Any) -> Any:
-        pending = [a.call.remote(method, *args) for a in self._actors]
+        return self._call(method, args, args)
+
+    def _call(self, method: str, worker_args: tuple, rank0_args: tuple) -> Any:
+        pending = [a.call.remote(method, *worker_args) for a in self._actors]
         error, result = None, None
         try:
-            result = getattr(self.runner, method)(*args)
+            result = getattr(self.runner, method)(*rank0_args)
         except BaseException as exc:
             error = exc
         try:
@@ -83,8 +88,8 @@ class RayExecutor:
             raise error
         return result
 
-    def execute(self, step: StepInput):
-        return self.call("execute", step)
+    def execute(self, step: StepInput, previous_tokens=None):
+        return self._call("execute", (step,), (step, previous_tokens))
 
     def shutdown(self) -> None:
         self.runner.close()

@@ -6,7 +6,7 @@ keeps serving the others. step() runs one model step for the whole mixed
 batch and returns a cumulative RequestOutput for every request it advanced
 or finished.
 
-Async scheduling (EngineArgs.async_scheduling, on by default for one GPU rank):
+Async scheduling (EngineArgs.async_scheduling, on by default on GPUs):
 step() launches step N+1 before it reads back the tokens step N sampled, so
 the host's work for a step (reading tokens back, stop checks, detokenizing,
 outputs, scheduling, inputs) runs while the GPU computes instead of between
@@ -67,8 +67,9 @@ class EngineArgs:
     # the engine (replicas/lora_load_process.py; needs an `if __name__ == "__main__":` guard).
     lora_load_processes: int = 0
     # Launch each step before the previous one's tokens are read back (module docstring). None: on for
-    # CUDA. Needs an executor that takes tokens on the device (one rank: UniProcExecutor); else off.
-    # On CPU the model runs synchronously, so it only delays outputs by a step (tests force it on).
+    # CUDA. Needs an executor that takes tokens on the device (all of ours do; with TP rank 0 sends
+    # them to the others). On CPU the model runs synchronously, so it only delays outputs by a step
+    # (tests force it on).
     async_scheduling: bool | None = None
 
     def lora_config(self) -> LoRAConfig | None:

@@ -91,12 +91,17 @@ class MultiprocExecutor:
     def model_config(self):
         return self.runner.model_config
 
+    takes_device_tokens = True  # rank 0's execute() takes them; runners send them on to the others
+
     def call(self, method: str, *args: Any) -> Any:
+        return self._call(method, args, args)
+
+    def _call(self, method: str, worker_args: tuple, rank0_args: tuple) -> Any:
         for conn in self._conns:
-            conn.send((method, args))
+            conn.send((method, worker_args))
         error, result = None, None
         try:
-            result = getattr(self.runner, method)(*args)
+            result = getattr(self.runner, method)(*rank0_args)
         except BaseException as exc:
             error = exc
         for conn in self._conns:  # always drain, so the pipes stay in step
@@ -107,8 +112,8 @@ class MultiprocExecutor:
             raise error
         return result
 
-    def execute(self, step: StepInput) -> torch.Tensor:
-        return self.call("execute", step)
+    def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self._call("execute", (step,), (step, previous_tokens))
 
     def shutdown(self) -> None:
         self.runner.close()

@@ -370,7 +370,8 @@ class ModelRunner:
         """Run the step; returns float32 logits [len(sample_rows), vocab].
 
         previous_tokens: the previous step's sampled token ids, on this device, when step.fill_rows
-        names input rows that take one of them.
+        names input rows that take one of them. Rank 0 has them (it samples) and sends them to the
+        other tensor-parallel ranks, which pass None.
         """
         dev = self.device
         batch = self._graph_batch(step)
@@ -378,12 +379,17 @@ class ModelRunner:
             self._set_lora_mapping(step, 0 if batch is None else batch - len(step.input_ids))
 
         def fill(input_ids: torch.Tensor) -> None:
-            if step.fill_rows:
+            if not step.fill_rows:
+                return
+            rows = torch.tensor(step.fill_rows + step.fill_from, dtype=torch.long).to(dev, non_blocking=True)
+            n = len(step.fill_rows)
+            if self.ctx.tp_rank == 0:
                 if previous_tokens is None:
                     raise ValueError("the step reads tokens of the previous step, and none were given")
-                rows = torch.tensor(step.fill_rows + step.fill_from, dtype=torch.long).to(dev, non_blocking=True)
-                n = len(step.fill_rows)
-                input_ids.index_copy_(0, rows[:n], previous_tokens.index_select(0, rows[n:]))
+                tokens = previous_tokens.index_select(0, rows[n:])
+            else:
+                tokens = torch.empty(n, dtype=torch.long, device=dev)
+            input_ids.index_copy_(0, rows[:n], self.ctx.broadcast(tokens))
 
         if batch is not None:
             return self.decode_graphs.run(step.input_ids, step.positions, step.block_tables, batch, fill)

@@ -47,6 +47,12 @@ class ParallelContext:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank src's x on every rank, in place; returns x."""
+        if self.tp_size > 1:
+            dist.broadcast(x, src, group=self.group)
+        return x
+
     def divide(self, size: int, what: str) -> int:
         """size / tp_size, or ValueError naming ``what`` when it does not split evenly."""
         if size % self.tp_size:

@@ -15,8 +15,9 @@ def demo(demo_checkpoint):
     return demo_checkpoint
 
 
-@pytest.mark.parametrize("fully_sharded", [False, True], ids=["replicated", "fully_sharded"])
-def test_ray_tp2_equals_tp1(demo, fully_sharded):
+@pytest.mark.parametrize("fully_sharded,async_scheduling", [(False, False), (True, True)],
+                         ids=["replicated", "fully_sharded-async"])
+def test_ray_tp2_equals_tp1(demo, fully_sharded, async_scheduling):
     loras = [None] + [LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(sorted(demo.adapters.items()))]
     prompts = ["The quick brown fox", "Once upon a time", "SELECT", "Hello world", "Tell me"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -25,8 +26,9 @@ def test_ray_tp2_equals_tp1(demo, fully_sharded):
     want = LLM(str(demo.model_dir), **common).generate(prompts, params, loras)
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
-        llm = LLM(str(demo.model_dir), tensor_parallel_size=2,
+        llm = LLM(str(demo.model_dir), tensor_parallel_size=2, async_scheduling=async_scheduling,
                   distributed_executor_backend="cluster.ray_executor:RayExecutor", **common)
+        assert llm.engine.async_scheduling == async_scheduling  # rank 0 sends the pending tokens on
         got = llm.generate(prompts, params, loras)
         llm.shutdown()
     finally:

@@ -164,3 +164,17 @@ def test_a_stop_read_back_before_a_prompt_step_drops_the_request_from_it(make_ll
     assert final["a"].outputs[0].token_ids == first[:3] and final["a"].outputs[0].finish_reason == "stop"
     assert final["b"].outputs[0].token_ids == want[1].outputs[0].token_ids
     assert_no_leaked_blocks(llm)
+
+
+def test_tensor_parallel_async_equals_sync(make_llm, loras):  # noqa: F811
+    """With TP=2 (gloo) rank 0 broadcasts the pending tokens; the worker rank must use the same ones."""
+    lora_list = _adapters(loras)
+    sync = make_llm(async_scheduling=False)
+    params = _stopping_params(sync.generate(PROMPTS, [greedy(16) for _ in PROMPTS], lora_list))
+    want = sync.generate(PROMPTS, params, lora_list)
+    tp = make_llm(tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert tp.engine.async_scheduling
+        assert _summary(tp.generate(PROMPTS, params, lora_list)) == _summary(want)
+    finally:
+        tp.shutdown()
