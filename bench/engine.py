@@ -130,12 +130,12 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 def make_engine(model_dir: Path, a, rank: int, max_loras: int, max_seqs: int, max_len: int,
                 batched_tokens: int = 2048, max_cpu_loras: int | None = None,
                 overrides: dict | None = None) -> LLMEngine:
-    return LLMEngine(EngineArgs(
-        model=str(model_dir), tensor_parallel_size=a.tp, dtype=a.dtype, enable_lora=rank > 0,
-        max_loras=max_loras, max_lora_rank=max(rank, 1), max_cpu_loras=max_cpu_loras,
-        num_kv_blocks=max_seqs * -(-max_len // 16) + 8, max_num_seqs=max_seqs,
-        max_num_batched_tokens=max(batched_tokens, max_len), enable_prefix_caching=False, load_format="dummy",
-        **(overrides or {})))
+    args = dict(model=str(model_dir), tensor_parallel_size=a.tp, dtype=a.dtype, enable_lora=rank > 0,
+                max_loras=max_loras, max_lora_rank=max(rank, 1), max_cpu_loras=max_cpu_loras,
+                num_kv_blocks=max_seqs * -(-max_len // 16) + 8, max_num_seqs=max_seqs,
+                max_num_batched_tokens=max(batched_tokens, max_len), enable_prefix_caching=False,
+                load_format="dummy")
+    return LLMEngine(EngineArgs(**args | (overrides or {})))  # a --variant may change any of them
 
 
 def engine_rows(a, names: list[str], table: dict, model_dir: Path, pools: AdapterPools, reqs: list[Request],

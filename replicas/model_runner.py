@@ -307,9 +307,11 @@ class ModelRunner:
         """Before traffic, on GPU (all TP ranks together): compile the kernels, capture the decode graphs.
 
         Triton compiles a kernel for each new combination of its constexprs
-        (tile heights, attention query block): left to the first request that
-        needs one, that costs a second or more in the middle of serving. A few
-        synthetic prefill-shaped steps cover them. Returns the graph count.
+        (tile heights, attention query block) and of its integer arguments'
+        classes (1, a multiple of 16, other: a step's sequence count is one):
+        left to the first request that needs one, that costs a second or more in
+        the middle of serving. Synthetic prefill-shaped steps of 1, 3 and 16
+        sequences cover them. Returns the graph count.
         """
         if self.device.type != "cuda":
             return 0
@@ -317,23 +319,33 @@ class ModelRunner:
         room = min(cfg.max_num_batched_tokens, self.num_blocks * cfg.block_size)
         counts = (0, 1, min(self.cfg.lora_config.max_loras, 8)) if self.punica else (0,)
         for tokens in sorted({min(t, room) for t in (16, 48, 200, 1500)}):
-            for adapters in counts:
-                self.synthetic_step(tokens, adapters)
+            for seqs in (1, 3, 16):
+                fits = tokens + seqs * cfg.block_size <= self.num_blocks * cfg.block_size
+                if seqs <= min(tokens, cfg.max_num_seqs) and fits:
+                    for adapters in counts:
+                        self.synthetic_step(tokens, adapters, seqs)
         torch.cuda.synchronize(self.device)
         return self.capture_decode_graphs()
 
     @torch.inference_mode()
-    def synthetic_step(self, num_tokens: int, num_adapters: int) -> torch.Tensor:
-        """One prefill of num_tokens over num_adapters LoRA slots, in blocks 0.. (call only while no
-        sequence holds them: before traffic). Returns the last row's logits [1, V]."""
-        cfg = self.cfg
-        blocks = list(range(-(-num_tokens // cfg.block_size)))
+    def synthetic_step(self, num_tokens: int, num_adapters: int, num_seqs: int = 1) -> torch.Tensor:
+        """One prefill step: num_tokens split over num_seqs sequences and num_adapters LoRA slots, in
+        blocks 0.. (call only while no sequence holds them: before traffic). Returns each sequence's
+        last-row logits [num_seqs, V]."""
+        bs = self.cfg.block_size
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        tables, first = [], 0
+        for n in lens:
+            tables.append(list(range(first, first + -(-n // bs))))
+            first += len(tables[-1])
         if self.punica is not None:
-            self.punica.set_decode_layout(num_tokens, num_adapters, num_sampled=1)
-        meta = AttentionMetadata.build([num_tokens], [num_tokens], [blocks], cfg.block_size, self.device)
+            self.punica.set_decode_layout(num_tokens, num_adapters, num_sampled=num_seqs)
+        meta = AttentionMetadata.build(lens, lens, tables, bs, self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         ids = torch.arange(num_tokens, device=self.device) % self.model_config.vocab_size
-        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), self.kv_caches, meta)
-        return self.model.compute_logits(hidden[-1:]).float()
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        last = torch.tensor(lens).cumsum(0).sub_(1).to(self.device)
+        return self.model.compute_logits(hidden.index_select(0, last)).float()
 
     def capture_decode_graphs(self) -> int:
         """Capture every decode graph before traffic (all TP ranks together); returns how many."""

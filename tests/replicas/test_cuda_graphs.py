@@ -110,10 +110,11 @@ def test_synthetic_warm_up_step_runs_every_layout(demo):
     """The warm-up's synthetic prefill (GPU: compiles kernels before traffic) gives finite logits."""
     llm = LLM(str(demo.model_dir), **_kwargs())
     runner = llm.engine.executor.runner
-    for tokens, adapters in ((16, 0), (48, 1), (40, 4)):
-        logits = runner.synthetic_step(tokens, adapters)
-        assert logits.shape == (1, runner.model_config.vocab_size) and torch.isfinite(logits).all()
-        assert runner.punica.token_meta.num_rows == tokens and runner.punica.sampler_meta.num_rows == 1
+    for tokens, adapters, seqs in ((16, 0, 1), (48, 1, 1), (40, 4, 1), (40, 4, 3), (48, 1, 8)):
+        logits = runner.synthetic_step(tokens, adapters, seqs)
+        assert logits.shape == (seqs, runner.model_config.vocab_size) and torch.isfinite(logits).all()
+        assert runner.punica.token_meta.num_rows == tokens and runner.punica.sampler_meta.num_rows == seqs
+
 
 
 @pytest.mark.gpu
