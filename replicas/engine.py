@@ -449,7 +449,8 @@ class LLMEngine:
             if ids:
                 self.executor.call("prefetch_loras", ids)
 
-    def _step_input(self, out: SchedulerOutput, previous: _SampledStep | None) -> tuple[StepInput, torch.Tensor | None]:
+    def _step_input(self, out: SchedulerOutput,
+                    previous: _SampledStep | None) -> tuple[StepInput, torch.Tensor | None]:
         """The step's inputs, and the previous step's device tokens when some inputs are still pending."""
         step = StepInput([], [], [], [], [], [], [], [], is_prefill=any(s.is_prefill for s in out.scheduled))
         rows = previous.rows if previous is not None else {}
@@ -468,9 +469,7 @@ class LLMEngine:
             step.block_tables.append(list(seq.block_table))
             step.token_lora_ids += [seq.lora_int_id] * s.num_new_tokens
             step.sample_lora_ids += [seq.lora_int_id] if s.samples else []
-        if not step.fill_rows:
-            return (step,)
-        return step, previous.sampled.token_ids
+        return step, previous.sampled.token_ids if step.fill_rows else None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self._requests[seq.request_id]
