@@ -71,8 +71,9 @@ def _no_engine_thread():
     return not any(t.name == "lorafleet-engine" for t in threading.enumerate())
 
 
-def test_streaming_matches_llm(demo, cases, reference):
-    outs = run(demo, lambda engine: collect(engine, cases[0][0], _greedy(), "r0"))
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])  # async: outputs a step later
+def test_streaming_matches_llm(demo, cases, reference, async_scheduling):
+    outs = run(demo, lambda engine: collect(engine, cases[0][0], _greedy(), "r0"), async_scheduling=async_scheduling)
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     assert len(outs) > 1 and lengths == sorted(set(lengths))
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
@@ -82,14 +83,15 @@ def test_streaming_matches_llm(demo, cases, reference):
     assert _no_engine_thread()
 
 
-def test_concurrent_adapters_interleave(demo, cases, reference):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])  # async: outputs a step later
+def test_concurrent_adapters_interleave(demo, cases, reference, async_scheduling):
     events = []
 
     async def body(engine):
         return await asyncio.gather(*(collect(engine, p, _greedy(), f"r{i}", lora, events)
                                       for i, (p, lora) in enumerate(cases)))
 
-    results = run(demo, body)
+    results = run(demo, body, async_scheduling=async_scheduling)
     assert [_final(outs) for outs in results] == reference
     assert [outs[-1].lora_name for outs in results] == [lora and lora.lora_name for _, lora in cases]
     # every request streamed something before the first one finished
@@ -97,7 +99,8 @@ def test_concurrent_adapters_interleave(demo, cases, reference):
     assert {rid for rid, _ in events[:first_done]} == {f"r{i}" for i in range(len(cases))}
 
 
-def test_abort_and_cancel_mid_stream(demo, cases, reference):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])  # async: outputs a step later
+def test_abort_and_cancel_mid_stream(demo, cases, reference, async_scheduling):
     async def aborted(engine):
         outs = []
         async for out in engine.generate("Once upon a time", LONG, "long"):
@@ -122,7 +125,7 @@ def test_abort_and_cancel_mid_stream(demo, cases, reference):
         assert not await engine.abort("long") and not await engine.abort("never-seen")
         return results
 
-    long, other, _ = run(demo, body)
+    long, other, _ = run(demo, body, async_scheduling=async_scheduling)
     assert long[-1].finished and long[-1].outputs[0].finish_reason == "abort"
     assert 3 <= len(long[-1].outputs[0].token_ids) < LONG.max_tokens
     assert _final(other) == reference[2] and other[-1].outputs[0].finish_reason == "length"
