@@ -61,7 +61,10 @@ def test_rayservice_cluster_autoscales():
     (gpu,) = cluster["workerGroupSpecs"]
     assert 0 <= gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"]
     (container,) = gpu["template"]["spec"]["containers"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # A pod holds one whole replica: its placement group is STRICT_PACK (all ranks on one node).
+    args = _load("config.gpu.yaml")["applications"][0]["args"]
+    per_replica = args["server"]["engine"]["tensor_parallel_size"] * args["replica"]["ray_actor_options"]["num_gpus"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == per_replica == 2
 
 
 def test_cluster_launcher_validates():
