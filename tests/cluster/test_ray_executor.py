@@ -49,3 +49,33 @@ def test_app_gives_each_rank_a_bundle():
     untouched: dict = {}
     tensor_parallel_options(single, untouched)
     assert untouched == {} and "distributed_executor_backend" not in single["engine"]
+
+
+def test_adapter_loads_in_worker_processes_inside_a_ray_actor(demo):
+    """deploy/config.gpu.yaml sets lora_load_processes: a replica is a Ray worker, whose entry point is
+    guarded, so the loader processes it spawns start, and an adapter loaded there serves."""
+    name, path = sorted(demo.adapters.items())[0]
+
+    @ray.remote
+    class Replica:
+        def generate(self):
+            from replicas.llm import LLM
+
+            llm = LLM(str(demo.model_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=32,
+                      lora_load_processes=1)
+            try:
+                assert llm.engine.executor.runner._process_loader is not None
+                outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4),
+                                    LoRARequest(name, 1, str(path)))
+                return outs[0].error, outs[0].outputs[0].token_ids
+            finally:
+                llm.shutdown()
+
+    want = LLM(str(demo.model_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=32).generate(
+        ["Hello"], SamplingParams(temperature=0.0, max_tokens=4), LoRARequest(name, 1, str(path)))
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        error, got = ray.get(Replica.remote().generate.remote(), timeout=240)
+    finally:
+        ray.shutdown()
+    assert error is None and got == want[0].outputs[0].token_ids
