@@ -108,6 +108,12 @@ class _Request:
     detok: IncrementalDetokenizer
     lora_name: str | None
     logprobs: list[dict[int, float]] | None = field(default=None)
+    # The prompt's ids as every output reports them: copied once, not per step (a long prompt's copy,
+    # for every running request at every step, adds up to milliseconds of host time).
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.seq.prompt_token_ids)
 
 
 class LLMEngine:
@@ -480,7 +486,7 @@ class LLMEngine:
         logprobs = list(state.logprobs) if state.logprobs is not None else None
         completion = CompletionOutput(0, text, list(seq.output_token_ids), logprobs,
                                       seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.request_id, state.prompt, list(seq.prompt_token_ids), [completion],
+        return RequestOutput(seq.request_id, state.prompt, state.prompt_token_ids, [completion],
                              seq.is_finished, state.lora_name)
 
     def shutdown(self) -> None:
