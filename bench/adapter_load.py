@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         phases: dict[str, list[float]] = {"read": [], "prepare": [], "to GPU": []}
         for req in pools.pool("phase", rank, a.count):
             t0 = time.perf_counter()
-            lora = runner._load(req)
+            lora = runner.loads.load(req)
             t1 = time.perf_counter()
             manager.add_prepared(manager.prepare_adapter(lora))
             t2 = time.perf_counter()
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                 reqs = pools.pool(f"sweep{intra}-{workers}", rank, 2 * a.count)
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(workers) as pool:
-                    list(pool.map(runner._load_prepared, reqs))
+                    list(pool.map(runner.loads.load_prepared, reqs))
                 sweep.append((intra, workers, len(reqs) / (time.perf_counter() - t0)))
         torch.set_num_threads(default_threads)
         print(f"r{rank} read + prepare, adapters/s by (torch intra-op threads, loader threads): "
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         prof = cProfile.Profile()
         req = pools.pool("profile", rank, 1)[0]
         prof.enable()
-        manager.prepare_adapter(runner._load(req))
+        manager.prepare_adapter(runner.loads.load(req))
         prof.disable()
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(14)

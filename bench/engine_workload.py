@@ -226,9 +226,10 @@ class Recorder:
 
         engine._step_input = recording
         runner = getattr(engine.executor, "runner", None)
-        if runner is not None:
-            for name in ("_load_prepared", "_register"):  # every disk load goes through exactly one of them
-                setattr(runner, name, self._counted(getattr(runner, name)))
+        if runner is not None and runner.loads is not None:
+            # Every disk load goes through exactly one of them: a background load, or a synchronous reload.
+            for owner, name in ((runner.loads, "load_prepared"), (runner, "_register")):
+                setattr(owner, name, self._counted(getattr(owner, name)))
 
     def _counted(self, load):
         def counting(*args):

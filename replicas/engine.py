@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lora_core.config import LoRAConfig
-from lora_core.errors import LoRAError, UnknownLoRAError
+from lora_core.errors import LoRAError
 from lora_core.request import LoRARequest
 from replicas.block_manager import BlockManager
+from replicas.engine_adapters import EngineAdapters
+from replicas.engine_args import EngineArgs  # also imported from here, as replicas.engine.EngineArgs
 from replicas.errors import InvalidRequestError
 from replicas.executor import make_executor
 from replicas.model_runner import RunnerConfig, StepInput
@@ -39,44 +40,6 @@ from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from replicas.sequence import PENDING_TOKEN, Sequence
 from replicas.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass
-class EngineArgs:
-    model: str
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    device: str | None = None  # default: cuda when available
-    enable_lora: bool = False
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    fully_sharded_loras: bool = False
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # fixed block count; else sized from the memory budget below
-    kv_cache_memory_bytes: int | None = None  # KV-cache budget per rank (default: 1 GiB on CPU)
-    gpu_memory_utilization: float = 0.9  # GPU, no budget given: share of the memory left after weights
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    load_format: str = "auto"  # "dummy": random weights (benchmarks)
-    distributed_executor_backend: str | None = None  # "mp" (default) or "module:Class", e.g. the Ray executor
-    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps (slower; for debugging)
-    # Opt-in: adapter loads in this many worker processes instead of threads, so they share no GIL with
-    # the engine (replicas/lora_load_process.py; needs an `if __name__ == "__main__":` guard).
-    lora_load_processes: int = 0
-    # Launch each step before the previous one's tokens are read back (module docstring). None: on for
-    # CUDA. Needs an executor that takes tokens on the device (all of ours do; with TP rank 0 sends
-    # them to the others). On CPU the model runs synchronously, so it only delays outputs by a step
-    # (tests force it on).
-    async_scheduling: bool | None = None
-
-    def lora_config(self) -> LoRAConfig | None:
-        if not self.enable_lora:
-            return None
-        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                          max_cpu_loras=self.max_cpu_loras, fully_sharded_loras=self.fully_sharded_loras)
 
 
 @dataclass
@@ -143,23 +106,20 @@ class LLMEngine:
         self._eos = tuple(mc.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                                is not None else ())
         self._requests: dict[str, _Request] = {}
-        self._loras: dict[str, LoRARequest] = {}
+        self.adapters = EngineAdapters(self.executor, self.scheduler, self.lora_config)
         # Adapters named by requests load in the background while other requests run; their
         # requests wait here, outside the scheduler, until the load ends.
-        self._loading: dict[int, LoRARequest] = {}
         self._parked: dict[int, list[Sequence]] = {}
         self._aborted_parked: list[Sequence] = []
-        self._waiters: dict[int, list[Future]] = {}  # begin_add_lora futures, by lora id
         wanted = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         self.async_scheduling = bool(wanted) and getattr(self.executor, "takes_device_tokens", False)
         self._in_flight: _SampledStep | None = None  # launched, tokens not read back yet
 
-    # ---- adapters ---------------------------------------------------------------------------
+    # ---- adapters (replicas/engine_adapters.py) ----------------------------------------------
 
     def add_lora(self, request: LoRARequest) -> None:
         """Load and validate an adapter on every rank; a bad adapter raises and changes nothing."""
-        if self._start_load(request):
-            self._finish_load(request.lora_int_id)
+        self.adapters.add(request)
 
     def begin_add_lora(self, request: LoRARequest) -> Future:
         """add_lora without waiting: the load runs in the background while step() keeps serving.
@@ -167,88 +127,29 @@ class LLMEngine:
         The future resolves (None, or add_lora's exception) in the step that
         finishes the load, so keep stepping while has_unfinished_requests().
         """
-        future: Future = Future()
-        try:
-            loading = self._start_load(request)
-        except Exception as exc:
-            future.set_exception(exc)
-            return future
-        if loading:
-            self._waiters.setdefault(request.lora_int_id, []).append(future)
-        else:
-            future.set_result(None)
-        return future
+        return self.adapters.begin_add(request)
 
-    def _start_load(self, request: LoRARequest) -> bool:
-        """Check the request against what is registered; start loading it if new, or if the host cache
-        dropped it since (a reload). True: a load is in flight."""
-        known = self._loras.get(request.lora_name)
-        if known is not None:
-            if known != request:
-                raise InvalidRequestError([("lora_request", f"adapter {request.lora_name!r} is already registered "
-                                            f"as id {known.lora_int_id} at {known.lora_path}")])
-            if request.lora_int_id in self._loading:
-                return True
-            if self.executor.call("lora_in_host_cache", request.lora_int_id):
-                return False
-            # Evicted from host memory: reload in the background too. (Evicted again before its step, the
-            # runner reloads it synchronously: rare, and never wrong.)
-            return self._begin_load(request)
-        if self.lora_config is None:
-            raise InvalidRequestError([("lora_request", "this engine was started without enable_lora")])
-        loading = self._loading.get(request.lora_int_id)
-        if loading is not None:
-            if loading != request:
-                raise InvalidRequestError([("lora_request", f"lora_int_id {request.lora_int_id} is being loaded "
-                                            f"as {loading.lora_name!r} from {loading.lora_path}")])
-            return True
-        if any(r.lora_int_id == request.lora_int_id or r.lora_name == request.lora_name
-               for r in self._loras.values()) or any(r.lora_name == request.lora_name for r in self._loading.values()):
-            raise InvalidRequestError([("lora_request", f"lora_int_id {request.lora_int_id} or name "
-                                        f"{request.lora_name!r} is already in use")])
-        return self._begin_load(request)
+    def remove_lora(self, name: str) -> bool:
+        return self.adapters.remove(name, lambda lora_id: any(r.seq.lora_int_id == lora_id
+                                                              for r in self._requests.values()))
 
-    def _begin_load(self, request: LoRARequest) -> bool:
-        self.executor.call("start_lora_load", request)
-        self._loading[request.lora_int_id] = request
-        return True
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.adapters.registered.values())
 
-    def _finish_load(self, lora_id: int, wait_for_room: bool = False) -> bool:
-        """Wait for one background load and register it on every rank; raises its error (nothing registered).
-
-        wait_for_room: False (and nothing done) while the host cache is full of
-        adapters that running requests use; the load is kept for a later step.
-        """
-        request = self._loading[lora_id]
-        try:
-            if self.executor.call("finish_lora_load", lora_id, wait_for_room) is None:
-                return False
-        except BaseException as exc:
-            del self._loading[lora_id]
-            for waiter in self._waiters.pop(lora_id, []):
-                waiter.set_exception(exc)
-            raise
-        del self._loading[lora_id]
-        self._loras[request.lora_name] = request
-        for waiter in self._waiters.pop(lora_id, []):
-            waiter.set_result(None)
-        return True
+    def pin_lora(self, name: str) -> bool:
+        """Keep an adapter in a GPU slot for good; one slot always stays for unpinned adapters."""
+        return self.adapters.pin(name)
 
     def _collect_loads(self, block: bool) -> list[RequestOutput]:
         """Admit the requests whose adapters finished loading; fail those whose adapter is broken.
 
         block: nothing else can run, so wait for the oldest load that requests wait on, rather than spin.
         """
-        if not self._loading:
-            return []
-        done = self.executor.call("lora_loads_done")
-        if block and not done:
-            done = [next(i for i in self._loading if self._parked.get(i) or self._waiters.get(i))]
         failed = []
-        for lora_id in done:
+        for lora_id in self.adapters.done(block, lambda i: bool(self._parked.get(i))):
             try:
                 # Room in the host cache frees up as running requests finish: wait for it while any run.
-                if not self._finish_load(lora_id, wait_for_room=self.scheduler.has_unfinished()):
+                if not self.adapters.finish(lora_id, wait_for_room=self.scheduler.has_unfinished()):
                     continue
             except Exception as exc:  # the adapter's own problem: its requests fail, nothing else does
                 error = InvalidRequestError([("lora_request", str(exc))])
@@ -263,36 +164,6 @@ class LLMEngine:
         state = self._requests.pop(seq.request_id)
         return RequestOutput(seq.request_id, state.prompt, list(seq.prompt_token_ids),
                              [CompletionOutput(0, "", [], None, "error")], True, state.lora_name, error)
-
-    def remove_lora(self, name: str) -> bool:
-        request = self._loras.get(name)
-        if request is None:
-            return False
-        if any(r.seq.lora_int_id == request.lora_int_id for r in self._requests.values()):
-            raise InvalidRequestError([("lora_name", f"adapter {name!r} is in use by running requests")])
-        self.executor.call("remove_lora", request.lora_int_id)
-        self.scheduler.pinned.discard(request.lora_int_id)
-        del self._loras[name]
-        # Cached KV blocks are keyed by lora id; a later adapter under the same id must not reuse them.
-        self.scheduler.block_manager.reset_prefix_cache()
-        return True
-
-    def list_loras(self) -> list[LoRARequest]:
-        return list(self._loras.values())
-
-    def pin_lora(self, name: str) -> bool:
-        """Keep an adapter in a GPU slot for good; one slot always stays for unpinned adapters."""
-        if name not in self._loras:
-            raise UnknownLoRAError(f"unknown adapter {name!r}")
-        lora_id = self._loras[name].lora_int_id
-        pinned = self.scheduler.pinned
-        if lora_id not in pinned and len(pinned) + 1 >= self.lora_config.max_loras:
-            raise InvalidRequestError([("lora_name", f"pinning {name!r} would leave no GPU slot for unpinned "
-                                        f"adapters (max_loras={self.lora_config.max_loras}, "
-                                        f"{len(pinned)} pinned)")])
-        result = self.executor.call("pin_lora", lora_id)
-        pinned.add(lora_id)
-        return result
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -309,7 +180,7 @@ class LLMEngine:
         loading = False
         if lora_request is not None:
             try:
-                loading = self._start_load(lora_request)
+                loading = self.adapters.start(lora_request)
             except LoRAError as exc:  # the adapter's own problem, for this request only
                 raise InvalidRequestError([("lora_request", str(exc))]) from exc
         seq = Sequence(request_id, ids, params, lora_request, eos_token_ids=self._eos)
@@ -349,14 +220,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or any(self._parked.values()) or bool(self._aborted_parked)
-                or any(self._waiters.values()) or self._in_flight is not None)
+                or self.adapters.has_waiters or self._in_flight is not None)
 
     # ---- one step ---------------------------------------------------------------------------
 
     def waiting_only_for_loads(self) -> bool:
         """Nothing to compute until an adapter load ends (requests or add_lora callers wait on one)."""
         return (not self.scheduler.has_unfinished() and not self._aborted_parked and self._in_flight is None
-                and (any(self._parked.values()) or any(self._waiters.values())))
+                and (any(self._parked.values()) or self.adapters.has_waiters))
 
     def step(self, wait_for_loads: bool = True) -> list[RequestOutput]:
         """One model step. When only adapter loads are pending, wait for one (wait_for_loads) or return.

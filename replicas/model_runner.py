@@ -9,38 +9,25 @@ ranks after the LM head's all-gather).
 from __future__ import annotations
 
 import gc
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from lora_core.config import LoRAConfig
-from lora_core.errors import LoRACapacityError, UnknownLoRAError
-from lora_core.lora_model import LoRAModel
+from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.model_manager import LoRAModelManager
 from lora_core.punica import PunicaWrapper
 from lora_core.request import LoRARequest
 import torch.distributed as dist
 
+from replicas.adapter_loads import AdapterLoads
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.lora_layers import add_lora, lora_module_specs
-from replicas.lora_load_process import ProcessAdapterLoader
 from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
 from replicas.parallel import ParallelContext
-
-# Adapter loads run on two threads, each with torch's intra-op parallelism off: an adapter is hundreds of
-# ~100 KB tensors, and intra-op thread pools in several loaders oversubscribe the cores. On a 16-core H200
-# host (bench/adapter_load.py, 8B shape, rank 16) read + prepare ran 6.2 adapters/s on one thread with the
-# default pool, 13.2 with one intra-op thread, 14.4 on two such threads, and slower on 4 or 8.
-_LOADER_THREADS = 2
-
-
-def _init_loader_thread() -> None:
-    torch.set_num_threads(1)  # per thread: the engine's own thread keeps its setting
-
 
 @dataclass
 class StepInput:
@@ -98,9 +85,7 @@ class ModelRunner:
         self.lora_manager: LoRAModelManager | None = None
         self.punica: PunicaWrapper | None = None
         self._lora_requests: dict[int, LoRARequest] = {}
-        self._loads: dict[int, tuple[LoRARequest, Future]] = {}  # background loads (start_lora_load)
-        self._loader: ThreadPoolExecutor | None = None
-        self._process_loader: ProcessAdapterLoader | None = None  # lora_load_processes > 0
+        self.loads: AdapterLoads | None = None  # background adapter loads (start_lora_load)
         if cfg.lora_config is not None:  # slots first, so the KV budget sees their memory as used
             self._setup_lora(cfg)
         self.num_blocks = self._num_kv_blocks()
@@ -120,12 +105,8 @@ class ModelRunner:
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs)
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)
-        self._specs = specs
-        self._expected = sorted({s for spec in specs for s in spec.sub_modules})
-        if cfg.lora_load_processes > 0:
-            self._process_loader = ProcessAdapterLoader(cfg.lora_load_processes, self.lora_manager.preparer,
-                                                        self._expected, cfg.lora_config, specs,
-                                                        pin=self.device.type == "cuda")
+        self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, cfg.lora_load_processes,
+                                  pin=self.device.type == "cuda")
 
     def _num_kv_blocks(self) -> int:
         """Blocks per rank: the fixed count, or the memory budget over one block's bytes (same on all ranks)."""
@@ -178,17 +159,7 @@ class ModelRunner:
         """
         if self.lora_manager is None:
             raise UnknownLoRAError("this engine was started without enable_lora")
-        if request.lora_int_id not in self._loads:
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(max_workers=_LOADER_THREADS, thread_name_prefix="lorafleet-lora-load",
-                                                  initializer=_init_loader_thread)
-            self._loads[request.lora_int_id] = (request, self._loader.submit(self._load_prepared, request))
-
-    def _load_prepared(self, request: LoRARequest):
-        if self._process_loader is not None:
-            return self._process_loader.load(request)
-        lora = self._load(request)
-        return lora.rank, self.lora_manager.prepare_adapter(lora)
+        self.loads.start(request)
 
     def close(self) -> None:
         """Stop the adapter loaders (threads and worker processes; loads in flight are dropped) and free
@@ -196,11 +167,8 @@ class ModelRunner:
         the process group does."""
         if self.decode_graphs is not None:
             self.decode_graphs.release()
-        if self._loader is not None:
-            self._loader.shutdown(wait=False, cancel_futures=True)
-            self._loader = None
-        if self._process_loader is not None:
-            self._process_loader.shutdown()
+        if self.loads is not None:
+            self.loads.close()
 
     def lora_in_host_cache(self, lora_id: int) -> bool:
         """Whether the adapter is registered in host memory now (a step could use it without a load)."""
@@ -208,38 +176,17 @@ class ModelRunner:
 
     def lora_loads_done(self) -> list[int]:
         """Ids whose background load has finished (successfully or not), oldest first."""
-        return [lora_id for lora_id, (_, future) in self._loads.items() if future.done()]
+        return self.loads.done() if self.loads is not None else []
 
     def finish_lora_load(self, lora_id: int, wait_for_room: bool = False) -> int | None:
         """Wait for the load of lora_id, register it and return its rank; raises the load's typed error.
-
-        wait_for_room: when the host cache is full of adapters the running batch
-        uses, keep the loaded adapter and return None (call again after a step).
-        Without it the caller says no step is running: the last step's adapters
-        lose their protection and the least recently used one makes room.
-        """
-        request, future = self._loads[lora_id]
-        try:
-            rank, prepared = future.result()
-            if not wait_for_room:
-                self.lora_manager.set_running(())
-            self.lora_manager.add_prepared(prepared)
-        except LoRACapacityError:
-            if wait_for_room:
-                return None
-            del self._loads[lora_id]
-            raise
-        except BaseException:
-            del self._loads[lora_id]
-            raise
-        del self._loads[lora_id]
+        None: no room yet (AdapterLoads.finish explains wait_for_room)."""
+        loaded = self.loads.finish(lora_id, wait_for_room)
+        if loaded is None:
+            return None
+        request, rank = loaded
         self._lora_requests[lora_id] = request
         return rank
-
-    def _load(self, request: LoRARequest) -> LoRAModel:
-        return LoRAModel.from_local_checkpoint(
-            request.lora_path, self._expected, lora_model_id=request.lora_int_id,
-            lora_config=self.cfg.lora_config, module_specs=self._specs)
 
     def remove_lora(self, lora_id: int) -> bool:
         known = self._lora_requests.pop(lora_id, None) is not None
@@ -268,7 +215,7 @@ class ModelRunner:
     def _register(self, lora_id: int) -> None:
         if lora_id not in self._lora_requests:
             raise UnknownLoRAError(f"lora id {lora_id} was never added")
-        self.lora_manager.add_adapter(self._load(self._lora_requests[lora_id]))
+        self.lora_manager.add_adapter(self.loads.load(self._lora_requests[lora_id]))
 
     def prefetch_loras(self, ids: list[int]) -> list[int]:
         """Copy adapters of waiting requests into FREE slots (never evicting), on the side stream on GPU.

@@ -64,7 +64,7 @@ def test_adapter_loads_in_worker_processes_inside_a_ray_actor(demo):
             llm = LLM(str(demo.model_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=32,
                       lora_load_processes=1)
             try:
-                assert llm.engine.executor.runner._process_loader is not None
+                assert llm.engine.executor.runner.loads.process_loader is not None
                 outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4),
                                     LoRARequest(name, 1, str(path)))
                 return outs[0].error, outs[0].outputs[0].token_ids

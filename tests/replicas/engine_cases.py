@@ -34,6 +34,14 @@ def register(engine, lora_list) -> None:
         engine.add_lora(lora)
 
 
+def submit(engine, prompts, params, lora_list) -> dict:
+    """Register the adapters, add one request per prompt (ids "0", "1", ...); request id -> its Sequence."""
+    register(engine, lora_list)
+    for i, (prompt, p, lora) in enumerate(zip(prompts, params, lora_list)):
+        engine.add_request(str(i), prompt, p, lora)
+    return dict(engine.scheduler.requests)
+
+
 @pytest.fixture(scope="module")
 def llm(make_llm):
     return make_llm()

@@ -282,13 +282,13 @@ def test_requests_stream_while_an_adapter_loads(demo, loras):
 
     async def body(engine):
         runner = engine.engine.executor.runner
-        gate, load = threading.Event(), runner._load
+        gate, load = threading.Event(), runner.loads.load
 
         def held(request):
             assert gate.wait(30)
             return load(request)
 
-        runner._load = held
+        runner.loads.load = held
         try:
             adding = asyncio.ensure_future(engine.add_lora(loras["demo-sql"]))
             await asyncio.sleep(0.05)

@@ -11,7 +11,7 @@ import pytest
 
 from replicas.sequence import PENDING_TOKEN
 from tests.replicas.engine_cases import (PROMPTS, assert_no_leaked_blocks, greedy, make_llm,  # noqa: F401  (fixture)
-                                         register, run_steps, seeded)
+                                         run_steps, seeded, submit)
 
 
 def _adapters(loras):
@@ -117,12 +117,8 @@ def test_preemption_with_async_equals_sync(make_llm, loras):  # noqa: F811
     params = [greedy(36, ignore_eos=True) for _ in PROMPTS]
     want = make_llm(async_scheduling=False).generate(PROMPTS, params, lora_list)
     small = make_llm(num_kv_blocks=5, block_size=16, enable_prefix_caching=False, async_scheduling=True)
-    engine = small.engine
-    register(engine, lora_list)
-    for i, (prompt, p, lora) in enumerate(zip(PROMPTS, params, lora_list)):
-        engine.add_request(str(i), prompt, p, lora)
-    seqs = dict(engine.scheduler.requests)
-    final = run_steps(engine)
+    seqs = submit(small.engine, PROMPTS, params, lora_list)
+    final = run_steps(small.engine)
     assert sum(s.num_preemptions for s in seqs.values()) > 0
     assert _summary(final[str(i)] for i in range(len(PROMPTS))) == _summary(want)
     assert_no_leaked_blocks(small)

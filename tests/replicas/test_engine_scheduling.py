@@ -11,7 +11,7 @@ import pytest
 
 from lora_core.request import LoRARequest
 from tests.replicas.engine_cases import (  # noqa: F401  (make_llm, llm: fixtures)
-    LONG_TEXT, PROMPTS, assert_no_leaked_blocks, greedy, llm, make_llm, register, run_steps, seeded, tokens)
+    LONG_TEXT, PROMPTS, assert_no_leaked_blocks, greedy, llm, make_llm, register, run_steps, seeded, submit, tokens)
 
 
 # ---- prefix caching ---------------------------------------------------------------------------
@@ -85,12 +85,8 @@ def test_preemption_by_recompute_is_lossless(make_llm, loras, prefix_caching):
     reference = tokens(make_llm().generate(PROMPTS, params, lora_list))
 
     small = make_llm(num_kv_blocks=5, block_size=16, enable_prefix_caching=prefix_caching)
-    engine = small.engine
-    register(engine, lora_list)
-    for i, (prompt, p, lora) in enumerate(zip(PROMPTS, params, lora_list)):
-        engine.add_request(str(i), prompt, p, lora)
-    seqs = dict(engine.scheduler.requests)
-    final = run_steps(engine)
+    seqs = submit(small.engine, PROMPTS, params, lora_list)
+    final = run_steps(small.engine)
 
     assert sorted(final) == sorted(seqs)  # none lost
     assert sum(s.num_preemptions for s in seqs.values()) > 0

@@ -22,7 +22,7 @@ def gated(demo):
     llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu")
     runner = llm.engine.executor.runner
     gate, started, counts = threading.Event(), threading.Event(), {}
-    load = runner._load
+    load = runner.loads.load
 
     def slow(request):
         counts[request.lora_int_id] = counts.get(request.lora_int_id, 0) + 1
@@ -30,7 +30,7 @@ def gated(demo):
         assert gate.wait(30)
         return load(request)
 
-    runner._load = slow
+    runner.loads.load = slow
     yield llm, gate, started, counts
     gate.set()
 
@@ -137,7 +137,7 @@ def test_a_load_that_ends_while_the_host_cache_is_busy_waits_for_room(demo, lora
     engine.step()
     engine.add_request("c", "Summary:", _greedy(3), loras["demo-summarize"])
     runner = engine.executor.runner
-    runner._loads[loras["demo-summarize"].lora_int_id][1].result(timeout=30)  # loaded while a, b run
+    runner.loads.future(loras["demo-summarize"].lora_int_id).result(timeout=30)  # loaded while a, b run
     done = {}
     while engine.has_unfinished_requests():
         done |= {o.request_id: o for o in engine.step() if o.finished}
@@ -156,11 +156,11 @@ def test_an_adapter_the_host_cache_dropped_reloads_in_the_background(demo, loras
     llm.generate(["Hello"], _greedy(2), [b])
     assert not runner.lora_in_host_cache(a.lora_int_id) and runner.lora_in_host_cache(b.lora_int_id)
 
-    gate, load = threading.Event(), runner._load
-    runner._load = lambda request: (gate.wait(30), load(request))[1]
+    gate, load = threading.Event(), runner.loads.load
+    runner.loads.load = lambda request: (gate.wait(30), load(request))[1]
     engine.add_request("base", "The quick brown fox", _greedy(8))
     engine.add_request("a", "Hello there", _greedy(), a)  # accepted at once: the reload is in the background
-    assert a.lora_int_id in engine._loading and [r.lora_name for r in engine.list_loras()] == [a.lora_name,
+    assert a.lora_int_id in engine.adapters.loading and [r.lora_name for r in engine.list_loras()] == [a.lora_name,
                                                                                                  b.lora_name]
     done = {}
     while "base" not in done:  # the base request runs to the end while A reloads
@@ -184,7 +184,7 @@ def test_loads_in_worker_processes_serve_the_same_and_fail_alike(demo, loras, tm
     try:
         runner = llm.engine.executor.runner
         thread_loads = []
-        runner._load = lambda request: thread_loads.append(request) or pytest.fail("loaded on a thread")
+        runner.loads.load = lambda request: thread_loads.append(request) or pytest.fail("loaded on a thread")
         got = llm.generate(prompts, _greedy(), lora_list)
         assert [o.outputs[0].token_ids for o in got] == want and thread_loads == []
         out = llm.generate(["Hello"], _greedy(2), [LoRARequest("broken", 9, str(tmp_path))])[0]

@@ -1,0 +1,103 @@
+"""AdapterLoads: one rank's background adapter loads (disk -> validated -> laid out in host memory).
+
+A load reads, validates and prepares an adapter on a loader thread, or in a
+worker process with EngineArgs.lora_load_processes (replicas.lora_load_process),
+while the rank keeps running steps; finish() hands the prepared adapter to
+the LoRAModelManager. Every disk load of an adapter goes through load_prepared
+(background) or load (a synchronous reload of a registered adapter).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from lora_core.config import LoRAConfig
+from lora_core.errors import LoRACapacityError
+from lora_core.lora_model import LoRAModel
+from lora_core.model_manager import LoRAModelManager
+from lora_core.module_spec import LoRAModuleSpec
+from lora_core.request import LoRARequest
+from replicas.lora_load_process import ProcessAdapterLoader
+
+# Adapter loads run on two threads, each with torch's intra-op parallelism off: an adapter is hundreds of
+# ~100 KB tensors, and intra-op thread pools in several loaders oversubscribe the cores. On a 16-core H200
+# host (bench/adapter_load.py, 8B shape, rank 16) read + prepare ran 6.2 adapters/s on one thread with the
+# default pool, 13.2 with one intra-op thread, 14.4 on two such threads, and slower on 4 or 8.
+_LOADER_THREADS = 2
+
+
+def _init_loader_thread() -> None:
+    torch.set_num_threads(1)  # per thread: the engine's own thread keeps its setting
+
+
+class AdapterLoads:
+    def __init__(self, manager: LoRAModelManager, lora_config: LoRAConfig, specs: list[LoRAModuleSpec],
+                 processes: int = 0, pin: bool = False) -> None:
+        self.manager, self.lora_config, self.specs = manager, lora_config, specs
+        self.expected = sorted({s for spec in specs for s in spec.sub_modules})
+        self._loads: dict[int, tuple[LoRARequest, Future]] = {}
+        self._threads: ThreadPoolExecutor | None = None
+        self.process_loader = (ProcessAdapterLoader(processes, manager.preparer, self.expected, lora_config,
+                                                    specs, pin=pin) if processes > 0 else None)
+
+    def start(self, request: LoRARequest) -> None:
+        """Start loading on a loader thread; a second start for an id already loading is a no-op."""
+        if request.lora_int_id not in self._loads:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(max_workers=_LOADER_THREADS,
+                                                   thread_name_prefix="lorafleet-lora-load",
+                                                   initializer=_init_loader_thread)
+            self._loads[request.lora_int_id] = (request, self._threads.submit(self.load_prepared, request))
+
+    def load_prepared(self, request: LoRARequest):
+        if self.process_loader is not None:
+            return self.process_loader.load(request)
+        lora = self.load(request)
+        return lora.rank, self.manager.prepare_adapter(lora)
+
+    def load(self, request: LoRARequest) -> LoRAModel:
+        """Read and validate an adapter on the calling thread."""
+        return LoRAModel.from_local_checkpoint(request.lora_path, self.expected, lora_model_id=request.lora_int_id,
+                                               lora_config=self.lora_config, module_specs=self.specs)
+
+    def done(self) -> list[int]:
+        """Ids whose background load has finished (successfully or not), oldest first."""
+        return [lora_id for lora_id, (_, future) in self._loads.items() if future.done()]
+
+    def future(self, lora_id: int) -> Future:
+        return self._loads[lora_id][1]
+
+    def finish(self, lora_id: int, wait_for_room: bool) -> tuple[LoRARequest, int] | None:
+        """Wait for the load of lora_id and add it to the host cache: (request, rank); raises the load's error.
+
+        wait_for_room: when the host cache is full of adapters the running batch
+        uses, keep the loaded adapter and return None (call again after a step).
+        Without it the caller says no step is running: the last step's adapters
+        lose their protection and the least recently used one makes room.
+        """
+        request, future = self._loads[lora_id]
+        try:
+            rank, prepared = future.result()
+            if not wait_for_room:
+                self.manager.set_running(())
+            self.manager.add_prepared(prepared)
+        except LoRACapacityError:
+            if wait_for_room:
+                return None
+            del self._loads[lora_id]
+            raise
+        except BaseException:
+            del self._loads[lora_id]
+            raise
+        del self._loads[lora_id]
+        return request, rank
+
+    def close(self) -> None:
+        """Stop the loader threads and worker processes; loads in flight are dropped."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
+        if self.process_loader is not None:
+            self.process_loader.shutdown()

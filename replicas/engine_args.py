@@ -1,0 +1,45 @@
+"""EngineArgs: every setting of an LLMEngine, as vLLM's users know them (docs/engine.md lists them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lora_core.config import LoRAConfig
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    device: str | None = None  # default: cuda when available
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    fully_sharded_loras: bool = False
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # fixed block count; else sized from the memory budget below
+    kv_cache_memory_bytes: int | None = None  # KV-cache budget per rank (default: 1 GiB on CPU)
+    gpu_memory_utilization: float = 0.9  # GPU, no budget given: share of the memory left after weights
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"  # "dummy": random weights (benchmarks)
+    distributed_executor_backend: str | None = None  # "mp" (default) or "module:Class", e.g. the Ray executor
+    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps (slower; for debugging)
+    # Opt-in: adapter loads in this many worker processes instead of threads, so they share no GIL with
+    # the engine (replicas/lora_load_process.py; needs an `if __name__ == "__main__":` guard).
+    lora_load_processes: int = 0
+    # Launch each step before the previous one's tokens are read back (replicas/engine.py docstring). None: on for
+    # CUDA. Needs an executor that takes tokens on the device (all of ours do; with TP rank 0 sends
+    # them to the others). On CPU the model runs synchronously, so it only delays outputs by a step
+    # (tests force it on).
+    async_scheduling: bool | None = None
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras, fully_sharded_loras=self.fully_sharded_loras)
