@@ -88,7 +88,7 @@ class BenchReplica(LoRAReplica):
         self.counts: Counter[str] = Counter()
         runner = self.server.engine.engine.executor.runner  # one rank (UniProcExecutor) in this bench
         self._manager = manager = runner.lora_manager
-        load, activate = runner._load, manager.activate_adapter
+        load, activate = runner.loads.load, manager.activate_adapter
 
         def counted_load(request):
             self.counts["engine_loads"] += 1
@@ -99,7 +99,7 @@ class BenchReplica(LoRAReplica):
                 self.counts["slot_loads"] += 1
             return activate(lora_id, stream)
 
-        runner._load = counted_load  # runs on the engine thread; plain int increments under the GIL
+        runner.loads.load = counted_load  # loader threads and the engine thread; int increments under the GIL
         manager.activate_adapter = counted_activate
         if serialize_loads and not hasattr(self.server, "_loading"):  # LoRAServer without its own load lock
             self._serialize_adapter_loads()
