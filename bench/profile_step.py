@@ -28,6 +28,13 @@ from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 from replicas.sampling_params import SamplingParams  # noqa: E402
 
 
+def _named(fn, label):
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+    return run
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rank", type=int, default=16)
@@ -37,6 +44,7 @@ def main(argv=None) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--adapters", type=int, default=1,
                    help="adapters the requests cycle through (1: one for all; e.g. 200: distinct, with loads)")
+    p.add_argument("--trace", default=None, help="also write the profile as a gzipped Chrome trace here")
     a = p.parse_args(argv)
     shape = TINY if a.tiny else LLAMA3_8B
     work = Path(tempfile.mkdtemp())
@@ -58,6 +66,12 @@ def main(argv=None) -> None:
         return make_input(out, previous)
 
     engine._step_input = recording
+    runner = getattr(engine.executor, "runner", None)
+    if runner is not None:  # named ranges in the trace for the host phases of a step
+        for obj, name in ((runner, "execute"), (runner, "_set_lora_mapping"), (runner.model, "forward"),
+                          (engine, "_step_input"), (engine, "_read_back")):
+            if hasattr(obj, name):
+                setattr(obj, name, _named(getattr(obj, name), f"lf::{name}"))
 
     # A step's time is from the end of the previous step() to the end of this one, without a sync in
     # between: with async scheduling step() launches the next step before it waits for the last, so a
@@ -99,6 +113,15 @@ def main(argv=None) -> None:
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    if a.trace:
+        import gzip
+        import shutil
+
+        raw = a.trace.removesuffix(".gz")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
     engine.shutdown()
 
 

@@ -91,7 +91,8 @@ class LLMEngine:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, lora_config=self.lora_config,
                                   load_format=args.load_format, max_model_len=args.max_model_len,
-                                  enforce_eager=args.enforce_eager,
+                                  enforce_eager=args.enforce_eager or args.cudagraph_mode == "none",
+                                  piecewise_graphs=args.cudagraph_mode == "full_and_piecewise",
                                   lora_load_processes=args.lora_load_processes)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
         self.num_decode_graphs = self.executor.call("warm_up")  # GPU: compile kernels, capture decode graphs

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from lora_core.config import LoRAConfig
 
 
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")
+
+
 @dataclass
 class EngineArgs:
     model: str
@@ -28,7 +31,11 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     load_format: str = "auto"  # "dummy": random weights (benchmarks)
     distributed_executor_backend: str | None = None  # "mp" (default) or "module:Class", e.g. the Ray executor
-    enforce_eager: bool = False  # GPU: no CUDA graphs for decode steps (slower; for debugging)
+    enforce_eager: bool = False  # GPU: no CUDA graphs at all (slower; for debugging)
+    # As vLLM's compilation_config.cudagraph_mode: "full_and_piecewise" (default) replays decode steps
+    # from whole-step graphs and steps with prompt tokens piece by piece between their attentions;
+    # "full_decode_only" runs the latter eagerly; "none" is enforce_eager.
+    cudagraph_mode: str = "full_and_piecewise"
     # Opt-in: adapter loads in this many worker processes instead of threads, so they share no GIL with
     # the engine (replicas/lora_load_process.py; needs an `if __name__ == "__main__":` guard).
     lora_load_processes: int = 0
@@ -37,6 +44,10 @@ class EngineArgs:
     # them to the others). On CPU the model runs synchronously, so it only delays outputs by a step
     # (tests force it on).
     async_scheduling: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -28,6 +28,7 @@ from replicas.lora_layers import add_lora, lora_module_specs
 from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
 from replicas.parallel import ParallelContext
+from replicas.piecewise_graphs import PiecewiseGraphs
 
 @dataclass
 class StepInput:
@@ -62,7 +63,10 @@ class RunnerConfig:
     lora_config: LoRAConfig | None = None
     load_format: str = "auto"  # "dummy": random weights, for benchmarks of model shapes with no checkpoint
     max_model_len: int | None = None  # default: the model's max_position_embeddings (sizes graph block tables)
-    enforce_eager: bool = False  # on GPU, decode steps replay CUDA graphs unless this is set
+    enforce_eager: bool = False  # on GPU, steps replay CUDA graphs unless this is set
+    # Steps with prompt tokens: replayed from CUDA graphs piece by piece (replicas/piecewise_graphs.py)
+    # on GPU; False runs them eagerly (decode steps keep their graphs).
+    piecewise_graphs: bool = True
     lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
 
 
@@ -93,8 +97,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks + 1, cfg.block_size,
                                             mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, mc.dtype,
                                             self.device)
-        self.decode_graphs = (self.build_decode_graphs(capture=True)
-                              if self.device.type == "cuda" and not cfg.enforce_eager else None)
+        graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        self.decode_graphs = self.build_decode_graphs(capture=True) if graphs else None
+        self.piecewise = self.build_piecewise_graphs(capture=True) if graphs and cfg.piecewise_graphs else None
         # Adapters for waiting requests are copied into free slots on this stream, under the running step.
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -165,8 +170,9 @@ class ModelRunner:
         """Stop the adapter loaders (threads and worker processes; loads in flight are dropped) and free
         the decode graphs: with tensor parallelism they hold NCCL collectives, so they must go before
         the process group does."""
-        if self.decode_graphs is not None:
-            self.decode_graphs.release()
+        for graphs in (self.decode_graphs, self.piecewise):
+            if graphs is not None:
+                graphs.release()
         if self.loads is not None:
             self.loads.close()
 
@@ -250,6 +256,11 @@ class ModelRunner:
                             cfg.max_num_seqs, -(-max_len // cfg.block_size), cfg.block_size, self.num_blocks,
                             mc.vocab_size, self.device, capture)
 
+    def build_piecewise_graphs(self, capture: bool) -> PiecewiseGraphs:
+        """Static buffers for steps with prompt tokens; capture=False runs the pieces eagerly (CPU tests)."""
+        return PiecewiseGraphs(self.model, self.kv_caches, self.punica.token_launch_key if self.punica else lambda: None,
+                               self.cfg.max_num_batched_tokens, self.device, capture)
+
     def warm_up(self) -> int:
         """Before traffic, on GPU (all TP ranks together): compile the kernels, capture the decode graphs.
 
@@ -272,7 +283,7 @@ class ModelRunner:
                     for adapters in counts:
                         self.synthetic_step(tokens, adapters, seqs)
         torch.cuda.synchronize(self.device)
-        return self.capture_decode_graphs()
+        return self.capture_decode_graphs() + self.capture_piecewise_graphs()
 
     @torch.inference_mode()
     def synthetic_step(self, num_tokens: int, num_adapters: int, num_seqs: int = 1) -> torch.Tensor:
@@ -303,6 +314,19 @@ class ModelRunner:
                 return self.decode_graphs.capture_all(None, None)
             return self.decode_graphs.capture_all(self.punica.set_decode_layout, self.punica.decode_layouts)
 
+    def capture_piecewise_graphs(self) -> int:
+        """Capture the pieces of every padded size and token layout (all TP ranks together)."""
+        if self.piecewise is None:
+            return 0
+        with torch.inference_mode():
+            if self.punica is None:
+                return self.piecewise.capture_all(None, None)
+
+            def set_layout(rows: int, adapters: int) -> None:
+                self.punica.set_decode_layout(rows, adapters, num_sampled=1)
+
+            return self.piecewise.capture_all(set_layout, self.punica.token_layouts)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A decode step's model pass: every row is sampled."""
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta)).float()
@@ -316,9 +340,11 @@ class ModelRunner:
             return None
         return self.decode_graphs.padded_size(n)
 
-    def _set_lora_mapping(self, step: StepInput, pad: int) -> None:
+    def _set_lora_mapping(self, step: StepInput, pad: int, pad_sampled: int) -> None:
+        """Slots of the step's token rows and sampled rows, each padded (no adapter) to a graph's size."""
         mapping = LoRAMapping((step.token_lora_ids or [0] * len(step.input_ids)) + [0] * pad,
-                              (step.sample_lora_ids or [0] * len(step.sample_rows)) + [0] * pad, step.is_prefill)
+                              (step.sample_lora_ids or [0] * len(step.sample_rows)) + [0] * pad_sampled,
+                              step.is_prefill)
         if self._side_stream is not None:  # prefetched slots must be written before this step reads them
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         self._ensure_registered(mapping.active_ids())
@@ -333,9 +359,14 @@ class ModelRunner:
         other tensor-parallel ranks, which pass None.
         """
         dev = self.device
+        n = len(step.input_ids)
         batch = self._graph_batch(step)
+        size = self.piecewise.padded_size(n) if batch is None and self.piecewise is not None else None
         if self.lora_manager is not None:
-            self._set_lora_mapping(step, 0 if batch is None else batch - len(step.input_ids))
+            if batch is not None:
+                self._set_lora_mapping(step, batch - n, batch - n)
+            else:
+                self._set_lora_mapping(step, (size or n) - n, 0)
 
         def fill(input_ids: torch.Tensor) -> None:
             if not step.fill_rows:
@@ -353,9 +384,12 @@ class ModelRunner:
         if batch is not None:
             return self.decode_graphs.run(step.input_ids, step.positions, step.block_tables, batch, fill)
         meta = AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables, self.cfg.block_size, dev)
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        fill(input_ids)
-        positions = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if size is not None:
+            hidden = self.piecewise.run(step.input_ids, step.positions, meta, size, fill)
+        else:
+            input_ids = torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True)
+            fill(input_ids)
+            positions = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = torch.tensor(step.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()

@@ -81,6 +81,18 @@ class PunicaWrapper:
         t, p = self.token_meta, self.sampler_meta
         return t.launch_key(t.num_rows, t.num_adapters) + p.launch_key(p.num_rows, p.num_adapters)
 
+    def token_launch_key(self) -> tuple:
+        """The token rows' part of launch_key: all that a graph of the layers (no LM head) freezes."""
+        t = self.token_meta
+        return t.launch_key(t.num_rows, t.num_adapters)
+
+    def token_layouts(self, num_rows: int) -> dict[tuple, int]:
+        """Every token_launch_key of a step of num_rows token rows -> an adapter count giving it."""
+        out: dict[tuple, int] = {}
+        for adapters in range(min(num_rows, self.max_loras) + 1):
+            out.setdefault(self.token_meta.launch_key(num_rows, adapters), adapters)
+        return out
+
     def decode_layouts(self, num_rows: int) -> dict[tuple, int]:
         """Every launch key a decode step of num_rows sequences can have -> an adapter count giving it."""
         out: dict[tuple, int] = {}

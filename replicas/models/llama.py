@@ -40,9 +40,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attn(*self.project(positions, hidden), kv_cache, meta))
+
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> q, k, v (rotary applied): everything before the attention proper."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -67,12 +71,22 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.attention_inputs(positions, hidden, residual)
+        return self.attention_outputs(self.self_attn.attn(q, k, v, kv_cache, meta), residual)
+
+    # The two halves of the layer around its attention: replicas/piecewise_graphs.py captures them
+    # in CUDA graphs and runs the attention between them eagerly.
+    def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """-> q, k, v, residual."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return (*self.self_attn.project(positions, hidden), residual)
+
+    def attention_outputs(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention output [T, heads * head_dim] -> hidden, residual (o_proj, norm, MLP)."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(hidden), residual
 
 
@@ -90,6 +104,20 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def forward_piece(self, i: int, positions: torch.Tensor, input_ids: torch.Tensor | None,
+                      attn: torch.Tensor | None, residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Piece i of num_layers + 1 between the attentions (forward == the pieces with attention between).
+
+        Piece 0 embeds input_ids and returns layer 0's (q, k, v, residual); piece i takes layer i-1's
+        attention output and returns layer i's (q, k, v, residual); the last returns (final hidden,).
+        """
+        if i == 0:
+            return self.layers[0].attention_inputs(positions, self.embed_tokens(input_ids), None)
+        hidden, residual = self.layers[i - 1].attention_outputs(attn, residual)
+        if i < len(self.layers):
+            return self.layers[i].attention_inputs(positions, hidden, residual)
+        return (self.norm(hidden, residual)[0],)
 
 
 class LlamaForCausalLM(nn.Module):
