@@ -13,6 +13,7 @@ against the torch reference, then time
 Prints a table with ratios and writes CSV to $OUT (or bench/out).
 
     python bench/kernels.py [--quick]
+    python bench/kernels.py --deal 0,0,0 --deal 256,512,256   # SGMV dealing settings side by side
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def min_bytes(num_tokens: int, hidden: int, slices: tuple[int, ...], rank: int, 
 
 
 def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw: float, floor_us: float,
-             bgmv_max_tokens: int = 32, adapter_rank: int | None = None, use_pdl: bool | None = None):
+             bgmv_max_tokens: int = 32, adapter_rank: int | None = None, use_pdl: bool | None = None,
+             time_torch: bool = True):
     """One case; adapter_rank < rank puts lower-rank adapters in slots sized for rank."""
     hidden, slices = SHAPES[shape]
     adapter_rank = adapter_rank or rank
@@ -105,8 +107,8 @@ def run_case(shape: str, rank: int, num_tokens: int, popularity: str, dtype, bw:
 
     graph = graph_of(lambda: ours.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks))
     ours_us = time_graph(graph)
-    torch_us = 1e3 * do_bench(lambda: ref.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks),
-                              warmup=3, rep=30, return_mode="median")
+    torch_us = float("nan") if not time_torch else 1e3 * do_bench(
+        lambda: ref.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks), warmup=3, rep=30, return_mode="median")
     adapters = len(set(slots))
     roof_us = 1e6 * min_bytes(num_tokens, hidden, slices, adapter_rank, adapters, x.element_size()) / bw
     del graph
@@ -123,16 +125,44 @@ def print_row(r: dict) -> None:
           f"{r['vs_torch']:>8.1f}{r['vs_floor']:>8.2f}{r['rel_err']:>9.1e}", flush=True)
 
 
+def sweep_dealing(args, dtype, bw: float, floor_us: float) -> None:
+    """Our default path per case under each --deal setting of triton_ops (SHRINK,EXPAND,SPLIT_ROWS
+    programs; 0,0,0 deals nothing: the host plan alone), side by side, with ratios to the first."""
+    from lora_core.punica import triton_ops
+
+    deals = [tuple(int(v) for v in d.split(",")) for d in args.deal]
+    print(f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}" + "".join(f"{'/'.join(map(str, d)):>16}" for d in deals)
+          + "".join(f"{'x first':>9}" for _ in deals[1:]))
+    for shape in SHAPES:
+        for rank in args.ranks:
+            for t in args.tokens:
+                for pop in args.pops:
+                    times = []
+                    for d in deals:
+                        triton_ops.DEAL_SHRINK_PROGRAMS, triton_ops.DEAL_EXPAND_PROGRAMS, triton_ops.SPLIT_ROWS = d
+                        times.append(run_case(shape, rank, t, pop, dtype, bw, floor_us, time_torch=False)["ours_us"])
+                    print(f"{shape:8}{rank:>4}{t:>6} {pop:10}" + "".join(f"{v:>16.2f}" for v in times)
+                          + "".join(f"{v / times[0]:>9.2f}" for v in times[1:]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--deal", action="append", default=[], metavar="SHRINK,EXPAND,SPLIT_ROWS",
+                        help="sweep the SGMV dealing settings of triton_ops instead (repeat; 0,0,0 = off)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 256], help="with --deal")
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="with --deal")
+    parser.add_argument("--pops", nargs="+", default=list(POPULARITY), help="with --deal")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     bw = copy_bandwidth()
     flag = torch.zeros(1, device="cuda")
     floor_us = time_graph(graph_of(lambda: _noop[(1,)](flag)))
+    if args.deal:
+        sweep_dealing(args, dtype, bw, floor_us)
+        return
     floor2_us = time_graph(graph_of(lambda: (_noop[(1,)](flag), _noop[(1,)](flag))))
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "
           f"one-kernel graph floor {floor_us:.2f} us  (two kernels: {floor2_us:.2f} us)  dtype {args.dtype}")

@@ -11,6 +11,7 @@ Layout, for T tokens with slots s[0..T) (-1 = no adapter):
     tile_lora  [max_tiles] slot of each M-tile, -1 past the last real tile
     tile_start [max_tiles] first position in sorted_idx covered by the tile
     tile_end   [max_tiles] end of that slot's run in sorted_idx
+    num_tiles  [1]         how many tiles are real (the rest have tile_lora -1)
 A tile holds up to block_m tokens of one slot, so the kernels never mix two
 adapters in one tl.dot (SGMV). max_tiles bounds sum_l ceil(c_l / block_m) by
 ceil(T / block_m) + min(T, L) - 1 whatever the popularity.
@@ -55,6 +56,7 @@ class PunicaMetadata:
         self._tile_end = torch.zeros(worst_tiles, **int32)
         self._counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
         self._tile_ids = torch.arange(worst_tiles, dtype=torch.int64, device=device)
+        self._num_tiles = torch.zeros(1, **int32)  # real tiles of the step: the kernels deal work over them
         self.num_rows = 0
         self.num_adapters = 0  # distinct slots this step; 0 lets layers skip LoRA entirely
         self.block_m = 16
@@ -115,6 +117,7 @@ class PunicaMetadata:
         self._tile_lora[: self.max_tiles].copy_(torch.where(valid, slot, -1))
         self._tile_start[: self.max_tiles].copy_(start)
         self._tile_end[: self.max_tiles].copy_(ends[slot + 1])
+        self._num_tiles.copy_(tile_cum[-1:].clamp(max=self.max_tiles))
 
     @property
     def slots(self) -> torch.Tensor:
@@ -135,3 +138,8 @@ class PunicaMetadata:
     @property
     def tile_end(self) -> torch.Tensor:
         return self._tile_end[: self.max_tiles]
+
+    @property
+    def num_tiles(self) -> torch.Tensor:
+        """[1] int32: tiles holding tokens (the first num_tiles of tile_lora are >= 0)."""
+        return self._num_tiles

@@ -31,6 +31,16 @@ def _tile(tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile):
 
 
 @triton.jit
+def _deal(num_tiles, per_tile, num_slices, plane, target, cap):
+    """Programs per real tile: at least the host's per_tile (planned for the worst-case tile count),
+    more when few tiles are real, towards target programs per launch (at most cap, and never more
+    than the (tile, per-tile) plane of the grid holds)."""
+    n = tl.maximum(num_tiles, 1)
+    wanted = tl.minimum(tl.cdiv(target, n * num_slices), cap)
+    return tl.maximum(1, tl.minimum(plane // n, tl.maximum(per_tile, wanted)))
+
+
+@triton.jit
 def _tile_tokens(sorted_ptr, start, end, BLOCK_M: tl.constexpr):
     offs = start + tl.arange(0, BLOCK_M)
     m_mask = offs < end
@@ -41,8 +51,8 @@ def _tile_tokens(sorted_ptr, start, end, BLOCK_M: tl.constexpr):
 @triton.jit
 def shrink_kernel(
     x_ptr, a_ptr, out_ptr, ranks_ptr,
-    sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr,
-    K, scale, split_k,
+    sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+    K, scale, split_cap, target,
     sx_t, sx_k,
     sa_s, sa_l, sa_r, sa_k,
     so_split, so_s, so_t, so_r,
@@ -52,14 +62,24 @@ def shrink_kernel(
 ):
     """out[split, s, tok, :R] (+)= scale * x[tok, k-range] @ A[s, slot, :rank, k-range]^T.
 
-    split_k is a runtime value (not constexpr) on purpose: it follows the step's
-    token count, and a constexpr would compile a new kernel for each value mid-serving.
+    The grid's first two axes form a plane of (tile, split) programs sized on
+    the host for the worst case of tiles (every slot in use). The real tile
+    count is only known on the device (metadata.py), so the programs are
+    dealt out there (_deal): with few real tiles each gets more K splits (at
+    most split_cap, out's first axis), and the rest of the plane exits. No
+    host value changes with the popularity, so one CUDA graph serves all.
     """
     if USE_PDL:
         # Let the expand launch now: it loads everything but our output while we run.
         tl.extra.cuda.gdc_launch_dependents()
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
+    num_tiles = tl.load(num_tiles_ptr)
+    split_k = _deal(num_tiles, tl.num_programs(1), tl.num_programs(2), tl.num_programs(0) * tl.num_programs(1),
+                    target, split_cap)
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    if pid >= num_tiles * split_k:
+        return
+    tile = pid // split_k
+    split = pid % split_k
     s = tl.program_id(2)
     lora, start, end = _tile(tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile)
     if lora < 0:
@@ -94,8 +114,8 @@ def shrink_kernel(
 @triton.jit
 def expand_kernel(
     buf_ptr, b_ptr, y_ptr, ranks_ptr, slice_off_ptr, bias_ptr,
-    sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr,
-    y_col_offset, split_k, n_per_prog,
+    sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+    y_col_offset, shrink_splits, split_cap, shrink_target, n_blocks, target,
     sb_split, sb_s, sb_t, sb_r,
     sw_l, sw_n, sw_r,
     sy_t, sy_n,
@@ -106,13 +126,24 @@ def expand_kernel(
 ):
     """y[tok, off + n] (+)= sum_split buf[split, s, tok, :rank] @ B[slot, n, :rank]^T (+ bias).
 
-    A program covers n_per_prog columns (a multiple of BLOCK_N) of one slice in
-    BLOCK_N steps, so the B tiles stream through a software pipeline after one
-    metadata look-up. split_k and n_per_prog vary with the step's token count:
-    runtime values, so they never trigger a compile while serving.
+    As in the shrink, the (tile, chunk) plane of programs is dealt out over
+    the real tiles on the device: each real tile's n_blocks column blocks
+    split into chunks, a program streaming its chunk's B tiles in BLOCK_N
+    steps after one metadata look-up. The shrink's split count is dealt
+    again from its launch (shrink_splits per tile, split_cap; both 1 when buf
+    holds one partial, as from add_expand).
     """
-    tile = tl.program_id(0)
-    chunk = tl.program_id(1)
+    num_tiles = tl.load(num_tiles_ptr)
+    num_slices = tl.num_programs(2)
+    chunks = _deal(num_tiles, tl.num_programs(1), num_slices, tl.num_programs(0) * tl.num_programs(1),
+                   target, n_blocks)
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    if pid >= num_tiles * chunks:
+        return
+    tile = pid // chunks
+    chunk = pid % chunks
+    n_per_prog = BLOCK_N * tl.cdiv(n_blocks, chunks)
+    split_k = _deal(num_tiles, shrink_splits, num_slices, tl.num_programs(0) * shrink_splits, shrink_target, split_cap)
     s = tl.program_id(2)
     lora, start, end = _tile(tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile)
     n_lo = tl.load(slice_off_ptr + s)

@@ -17,6 +17,18 @@ from lora_core.punica.triton_kernels import bgmv_expand_kernel, bgmv_shrink_kern
 
 # Enough programs to keep every SM of an H100/H200 streaming weights.
 _TARGET_PROGRAMS = 1024
+# SGMV steps with few real tiles (one adapter, a few popular ones): the device deals the grid's
+# idle programs to the real tiles up to these totals per launch for 16-row tiles, fewer for taller
+# ones (triton_kernels._deal; `bench/kernels.py --deal` sweeps them), and a tile's K splits up to
+# SPLIT_ROWS // BLOCK_R (each split is a partial the expand re-reads).
+DEAL_SHRINK_PROGRAMS = 256
+DEAL_EXPAND_PROGRAMS = 512
+SPLIT_ROWS = 256
+
+
+def _deal_target(programs: int, meta: PunicaMetadata) -> int:
+    # Taller tiles carry more work each: past 16 rows the kernels are no longer latency-bound.
+    return programs * 16 // meta.block_m
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,22 +57,31 @@ def _block_r(rank: int) -> int:
     return max(16, 1 << (rank - 1).bit_length())
 
 
-def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int) -> tuple[int, int]:
-    """(BLOCK_K, SPLIT_K) for a shrink: split H so decode launches fill the GPU."""
+def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int) -> tuple[int, int, int]:
+    """(BLOCK_K, grid splits, split cap) for a shrink: split H so decode launches fill the GPU.
+
+    BGMV splits exactly grid-splits ways. SGMV launches max_tiles x grid-splits
+    programs per slice and deals them out over the real tiles on the device, up
+    to split-cap splits each: the partials buffer's first axis.
+    """
     if use_bgmv(meta):
         block_k = max(16, 4096 // _block_r(rank))
         k_blocks = _pow2_floor(max(1, hidden // block_k))
         wanted = -(-_TARGET_PROGRAMS // (meta.num_rows * num_slices))
-        return block_k, min(k_blocks, 1 << (wanted - 1).bit_length(), 64)
+        split_k = min(k_blocks, 1 << (wanted - 1).bit_length(), 64)
+        return block_k, split_k, split_k
     block_k = 128 if _block_r(rank) >= 64 else 256
     k_blocks = max(1, -(-hidden // block_k))
     programs = meta.max_tiles * num_slices
     split_k = max(1, min(k_blocks, -(-_TARGET_PROGRAMS // programs), 32))
-    return block_k, split_k
+    return block_k, split_k, max(split_k, min(k_blocks, 32, SPLIT_ROWS // _block_r(rank)))
 
 
 def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tuple[int, int]:
-    """(BLOCK_N, N_PER_PROG): enough programs to fill the GPU, each streaming several B tiles."""
+    """(BLOCK_N, N_PER_PROG): enough programs to fill the GPU, each streaming several B tiles.
+
+    SGMV: the grid holds max_slice / N_PER_PROG chunks per tile of the worst case; the device
+    deals that plane out over the real tiles (expand_kernel)."""
     if use_bgmv(meta):
         block_n = 64
         programs = meta.num_rows * num_slices
@@ -75,7 +96,10 @@ def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tupl
 def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor,
            meta: PunicaMetadata, scale: float, accumulate: bool, split_k: int, block_k: int,
            use_pdl: bool = False) -> None:
-    """out [split_k, S, T, R] fp32 (+)= scale * x [T, H] @ lora_a [S, L, R, H]^T (partials per K split)."""
+    """out [cap, S, T, R] fp32 (+)= scale * x [T, H] @ lora_a [S, L, R, H]^T (partials per K split).
+
+    split_k: the grid's splits (shrink_config); SGMV uses up to out.shape[0] splits per real tile.
+    """
     num_slices, _, rank, hidden = lora_a.shape
     if meta.num_rows == 0:
         return
@@ -94,8 +118,8 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
     grid = (meta.max_tiles, split_k, num_slices)
     shrink_kernel[grid](
         x, lora_a, out, ranks,
-        meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end,
-        hidden, float(scale), split_k,
+        meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end, meta.num_tiles,
+        hidden, float(scale), out.shape[0], _deal_target(DEAL_SHRINK_PROGRAMS, meta),
         x.stride(0), x.stride(1),
         *lora_a.stride(),
         *out.stride(),
@@ -108,10 +132,11 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
 
 def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
            slice_offsets: torch.Tensor, max_slice: int, meta: PunicaMetadata, offset_start: int,
-           bias: torch.Tensor | None, add_inputs: bool, use_pdl: bool = False) -> None:
+           bias: torch.Tensor | None, add_inputs: bool, use_pdl: bool = False, shrink_splits: int = 1) -> None:
     """y[:, offset_start + slice] (+)= sum over splits of buf [split, S, T, R] @ lora_b [L, N, R]^T.
 
-    use_pdl: launched right after this step's shrink, which triggered it.
+    use_pdl: launched right after this step's shrink, which triggered it. shrink_splits: that
+    shrink's grid splits (shrink_config), from which SGMV knows how many partials it wrote.
     """
     split_k, num_slices, _, rank = buf.shape
     if meta.num_rows == 0:
@@ -133,8 +158,9 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
     grid = (meta.max_tiles, -(-max_slice // n_per_prog), num_slices)
     expand_kernel[grid](
         buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b,
-        meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end,
-        offset_start, split_k, n_per_prog,
+        meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end, meta.num_tiles,
+        offset_start, shrink_splits, split_k, _deal_target(DEAL_SHRINK_PROGRAMS, meta), -(-max_slice // block_n),
+        _deal_target(DEAL_EXPAND_PROGRAMS, meta),
         *buf.stride(),
         *lora_b.stride(),
         y.stride(0), y.stride(1),

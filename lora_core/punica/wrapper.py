@@ -131,7 +131,7 @@ class PunicaWrapper:
         if self.backend == "torch":
             torch_ops.shrink(y, x, lora_a_stacked, meta.slots, ranks, scale)
             return
-        block_k, _ = self._triton.shrink_config(meta, x.shape[1], lora_a_stacked.shape[0], lora_a_stacked.shape[2])
+        block_k, _, _ = self._triton.shrink_config(meta, x.shape[1], lora_a_stacked.shape[0], lora_a_stacked.shape[2])
         self._triton.shrink(y.unsqueeze(0), x, lora_a_stacked, ranks, meta, scale,
                             accumulate=True, split_k=1, block_k=block_k)
 
@@ -176,12 +176,13 @@ class PunicaWrapper:
             return
         if meta.num_rows == 0:
             return
-        block_k, split_k = self._triton.shrink_config(meta, x.shape[1], num_slices, rank)
-        buf = self._buffer((split_k, num_slices, meta.num_rows, rank))
+        block_k, split_k, split_cap = self._triton.shrink_config(meta, x.shape[1], num_slices, rank)
+        buf = self._buffer((split_cap, num_slices, meta.num_rows, rank))
         self._triton.shrink(buf, x, lora_a_stacked, ranks, meta, scale,
                             accumulate=False, split_k=split_k, block_k=block_k, use_pdl=self.use_pdl)
         self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
-                            meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl)
+                            meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
+                            shrink_splits=split_k)
 
     def add_lora_embedding(self, y: torch.Tensor, token_ids: torch.Tensor, lora_a_stacked: torch.Tensor,
                            lora_b_stacked: torch.Tensor, ranks: torch.Tensor | None = None,

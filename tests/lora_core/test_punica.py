@@ -243,3 +243,35 @@ def test_shrink_reads_at_most_the_rows_it_holds(bgmv_max_tokens):
     _assert_close(outs[0][0], want, torch.float32)
     # On a GPU, Triton's float32 tl.dot runs in TF32.
     _assert_close(outs[1][0], want, torch.float16 if ON_GPU else torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens,popularity", [(48, "identical"), (64, "uniform"), (300, "identical")])
+def test_programs_are_dealt_over_the_real_tiles(num_tokens, popularity):
+    """Many slots, few in use: the SGMV grid is sized for every slot, and the device gives the idle
+    programs to the real tiles as extra K splits and column chunks. Results must not change."""
+    dtype = DTYPES[-1]
+    hidden, slots_total = 4096, 32
+    g = torch.Generator().manual_seed(num_tokens)
+    slices = SLICES[3]
+    a, b, ranks = stacked_weights(slots_total, 16, hidden, slices, [16, 8], dtype, DEVICE, g)
+    slots = token_slots(num_tokens, 3, popularity, g, none_fraction=0.1)
+    ids = list(range(1, slots_total + 1))
+    mapping = _mapping(slots, ids, num_tokens > 16)
+    ref = PunicaWrapper(512, slots_total, DEVICE, backend="torch")
+    tri = PunicaWrapper(512, slots_total, DEVICE, backend="triton", bgmv_max_tokens=0)
+    for w in (ref, tri):
+        w.update_metadata(mapping, ids)
+    meta = tri.token_meta
+    real = sum(-(-slots.count(s) // meta.block_m) for s in set(slots) - {-1})
+    assert int(meta.num_tiles) == real < meta.max_tiles
+    from lora_core.punica import triton_ops
+
+    _, grid_splits, cap = triton_ops.shrink_config(meta, hidden, len(slices), 16)
+    if meta.block_m == 16:  # latency-bound tiles: the device may split K finer than the host planned
+        assert min(cap, meta.max_tiles * grid_splits // real) > grid_splits
+    x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, dtype)
+    y0 = torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE, dtype)
+    want, got = y0.float().clone(), y0.clone()
+    ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 0.5, slices, ranks)
+    tri.add_lora_linear(got, x, a, b, None, 0.5, slices, ranks)
+    _assert_close(got, want, dtype)
