@@ -14,9 +14,11 @@ its steps. Step N's sampled tokens enter the scheduler as PENDING_TOKEN
 placeholders (lengths and max_tokens are known without them) and reach step
 N+1's inputs by a copy on the device. A request that a stop token or string
 ends at step N has computed one more token in step N+1, which is dropped.
-step() therefore returns the outputs of the previous step's tokens. Steps
-with prompt tokens run eagerly, so before one of those the previous tokens
-are read back first (a new request's first token is not held back).
+step() therefore returns the outputs of the previous step's tokens. Where
+steps with prompt tokens run eagerly (CPU, enforce_eager, cudagraph_mode
+"full_decode_only"), the previous tokens are read back before one of those
+instead (read_back_before_prompt_steps): launching it costs the host about
+what the step costs the GPU, so there is little to overlap.
 """
 
 from __future__ import annotations
@@ -114,6 +116,12 @@ class LLMEngine:
         self._aborted_parked: list[Sequence] = []
         wanted = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         self.async_scheduling = bool(wanted) and getattr(self.executor, "takes_device_tokens", False)
+        # An eager step with prompt tokens takes the host about as long to launch as the GPU to run, so
+        # overlapping it buys little and would hold back the previous tokens (new requests' first tokens
+        # among them) that long: read them back first. Replayed from piecewise graphs, it overlaps too.
+        prompt_graphs = (device.startswith("cuda") and not args.enforce_eager
+                         and args.cudagraph_mode == "full_and_piecewise")
+        self.read_back_before_prompt_steps = not prompt_graphs
         self._in_flight: _SampledStep | None = None  # launched, tokens not read back yet
 
     # ---- adapters (replicas/engine_adapters.py) ----------------------------------------------
@@ -240,10 +248,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         touched: dict[str, Sequence] = {seq.request_id: seq for seq in self._aborted_parked}
         self._aborted_parked = []
-        if previous is not None and any(s.is_prefill for s in out.scheduled):
-            # A step with prompt tokens runs eagerly: launching it takes the host about as long as the
-            # GPU takes to run it, so overlapping buys little and would hold back the previous tokens
-            # (new requests' first tokens among them) for that long. Read them back first.
+        if previous is not None and self.read_back_before_prompt_steps and any(s.is_prefill for s in out.scheduled):
             self._read_back(previous, touched)
             previous = None
             out.scheduled = [s for s in out.scheduled if not s.seq.is_finished]  # stopped: blocks freed

@@ -48,9 +48,25 @@ def test_async_is_off_by_default_on_cpu_and_can_be_forced(make_llm):  # noqa: F8
     assert make_llm(async_scheduling=True).engine.async_scheduling
 
 
-def test_stops_penalties_and_logprobs_equal_sync(make_llm, loras):  # noqa: F811
+@pytest.fixture(params=[True, False], ids=["read-back-before-prompts", "prompts-overlap"])
+def make_async(request, make_llm):  # noqa: F811
+    """An async engine in both modes of steps with prompt tokens: the previous tokens read back before
+    them (eager prompt steps), or launched under them as decode steps are (GPU, piecewise graphs)."""
+    def make(**kwargs):
+        llm = make_llm(async_scheduling=True, **kwargs)
+        llm.engine.read_back_before_prompt_steps = request.param
+        return llm
+
+    return make
+
+
+def test_prompt_steps_overlap_only_where_they_replay_graphs(make_llm):  # noqa: F811
+    assert make_llm(async_scheduling=True).engine.read_back_before_prompt_steps  # CPU: eager prompt steps
+
+
+def test_stops_penalties_and_logprobs_equal_sync(make_llm, make_async, loras):  # noqa: F811
     lora_list = _adapters(loras)
-    sync, fast = make_llm(async_scheduling=False), make_llm(async_scheduling=True)
+    sync, fast = make_llm(async_scheduling=False), make_async()
     params = _stopping_params(sync.generate(PROMPTS, [greedy(16) for _ in PROMPTS], lora_list))
     want = sync.generate(PROMPTS, params, lora_list)
     got = fast.generate(PROMPTS, params, lora_list)
@@ -92,9 +108,9 @@ def test_streamed_outputs_never_hold_a_placeholder_and_only_grow(make_llm):  # n
     assert_no_leaked_blocks(llm)
 
 
-def test_abort_while_a_step_is_in_flight(make_llm):  # noqa: F811
+def test_abort_while_a_step_is_in_flight(make_llm, make_async):  # noqa: F811
     want = make_llm(async_scheduling=False).generate(PROMPTS, [greedy(10) for _ in PROMPTS])
-    llm = make_llm(async_scheduling=True)
+    llm = make_async()
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, greedy(10))
@@ -111,12 +127,12 @@ def test_abort_while_a_step_is_in_flight(make_llm):  # noqa: F811
     assert_no_leaked_blocks(llm)
 
 
-def test_preemption_with_async_equals_sync(make_llm, loras):  # noqa: F811
+def test_preemption_with_async_equals_sync(make_llm, make_async, loras):  # noqa: F811
     """Sequences preempted while their newest token is still pending resume with the real token."""
     lora_list = _adapters(loras)
     params = [greedy(36, ignore_eos=True) for _ in PROMPTS]
     want = make_llm(async_scheduling=False).generate(PROMPTS, params, lora_list)
-    small = make_llm(num_kv_blocks=5, block_size=16, enable_prefix_caching=False, async_scheduling=True)
+    small = make_async(num_kv_blocks=5, block_size=16, enable_prefix_caching=False)
     seqs = submit(small.engine, PROMPTS, params, lora_list)
     final = run_steps(small.engine)
     assert sum(s.num_preemptions for s in seqs.values()) > 0
@@ -143,12 +159,13 @@ def test_on_gpu_with_graphs_equals_sync(demo, loras):
     assert_no_leaked_blocks(fast)
 
 
-def test_a_stop_read_back_before_a_prompt_step_drops_the_request_from_it(make_llm):  # noqa: F811
-    """Before a step with prompt tokens the previous tokens are read back first; a request they stop
-    leaves that step's batch (its blocks are already free) and the newcomer's tokens are unaffected."""
+def test_a_stop_pending_at_a_prompt_step(make_llm, make_async):  # noqa: F811
+    """A request's stop token is still pending when a newcomer's prompt step comes. Read back first, the
+    stop takes the request out of that step's batch (its blocks are already free); overlapped, the
+    request computes one more token there, dropped. Either way the newcomer's tokens are unaffected."""
     want = make_llm(async_scheduling=False).generate(PROMPTS[:2], [greedy(8), greedy(8)])
     first = want[0].outputs[0].token_ids
-    llm = make_llm(async_scheduling=True)
+    llm = make_async()
     engine = llm.engine
     engine.add_request("a", PROMPTS[0], greedy(8, stop_token_ids=[first[2]]))
     final = {}
