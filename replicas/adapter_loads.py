@@ -39,14 +39,18 @@ class AdapterLoads:
         self.expected = sorted({s for spec in specs for s in spec.sub_modules})
         self._loads: dict[int, tuple[LoRARequest, Future]] = {}
         self._threads: ThreadPoolExecutor | None = None
+        # With worker processes each load in flight holds a thread only to wait and copy the result
+        # into pinned memory: one thread per process, or the processes past the second sit idle.
+        self._num_threads = max(_LOADER_THREADS, processes)
         self.process_loader = (ProcessAdapterLoader(processes, manager.preparer, self.expected, lora_config,
                                                     specs, pin=pin) if processes > 0 else None)
 
     def start(self, request: LoRARequest) -> None:
-        """Start loading on a loader thread; a second start for an id already loading is a no-op."""
+        """Start loading on a loader thread (in a worker process through it, if any); a second start
+        for an id already loading is a no-op."""
         if request.lora_int_id not in self._loads:
             if self._threads is None:
-                self._threads = ThreadPoolExecutor(max_workers=_LOADER_THREADS,
+                self._threads = ThreadPoolExecutor(max_workers=self._num_threads,
                                                    thread_name_prefix="lorafleet-lora-load",
                                                    initializer=_init_loader_thread)
             self._loads[request.lora_int_id] = (request, self._threads.submit(self.load_prepared, request))

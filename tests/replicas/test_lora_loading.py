@@ -192,3 +192,34 @@ def test_loads_in_worker_processes_serve_the_same_and_fail_alike(demo, loras, tm
         assert out.outputs[0].finish_reason == "error"
     finally:
         llm.shutdown()
+
+
+def test_every_load_process_gets_a_load_in_flight(monkeypatch):
+    """With N worker processes, N loads run at once: each holds a loader thread while it waits."""
+    from types import SimpleNamespace
+
+    from lora_core.config import LoRAConfig
+    from replicas import adapter_loads
+
+    processes = 4
+    together = threading.Barrier(processes, timeout=20)
+
+    class FakeProcessLoader:  # what a pool of worker processes looks like from the loader threads
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def load(self, request):
+            together.wait()  # breaks (BrokenBarrierError) unless all loads are in flight at once
+            return request.lora_int_id, None
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(adapter_loads, "ProcessAdapterLoader", FakeProcessLoader)
+    loads = adapter_loads.AdapterLoads(SimpleNamespace(preparer=None), LoRAConfig(max_loras=2), [], processes)
+    try:
+        for i in range(1, processes + 1):
+            loads.start(LoRARequest(f"a{i}", i, f"/adapters/a{i}"))
+        assert sorted(loads.future(i).result(timeout=30)[0] for i in range(1, processes + 1)) == [1, 2, 3, 4]
+    finally:
+        loads.close()
