@@ -48,13 +48,28 @@ def test_async_is_off_by_default_on_cpu_and_can_be_forced(make_llm):  # noqa: F8
     assert make_llm(async_scheduling=True).engine.async_scheduling
 
 
+# Three sequences at a time and small prefill chunks: prompts keep joining while others decode.
+MIXED = dict(max_num_seqs=3, max_num_batched_tokens=24)
+
+
 @pytest.fixture(params=[True, False], ids=["read-back-before-prompts", "prompts-overlap"])
 def make_async(request, make_llm):  # noqa: F811
     """An async engine in both modes of steps with prompt tokens: the previous tokens read back before
-    them (eager prompt steps), or launched under them as decode steps are (GPU, piecewise graphs)."""
+    them (eager prompt steps), or launched under them as decode steps are (GPU, piecewise graphs).
+    engine.prompt_fills counts prompt steps launched with pending tokens to copy in."""
     def make(**kwargs):
         llm = make_llm(async_scheduling=True, **kwargs)
-        llm.engine.read_back_before_prompt_steps = request.param
+        engine = llm.engine
+        engine.read_back_before_prompt_steps = request.param
+        engine.prompt_fills = 0
+        step_input = engine._step_input
+
+        def counting(out, previous):
+            step, tokens = step_input(out, previous)
+            engine.prompt_fills += bool(step.is_prefill and step.fill_rows)
+            return step, tokens
+
+        engine._step_input = counting
         return llm
 
     return make
@@ -66,11 +81,13 @@ def test_prompt_steps_overlap_only_where_they_replay_graphs(make_llm):  # noqa: 
 
 def test_stops_penalties_and_logprobs_equal_sync(make_llm, make_async, loras):  # noqa: F811
     lora_list = _adapters(loras)
-    sync, fast = make_llm(async_scheduling=False), make_async()
+    sync, fast = make_llm(async_scheduling=False, **MIXED), make_async(**MIXED)
     params = _stopping_params(sync.generate(PROMPTS, [greedy(16) for _ in PROMPTS], lora_list))
     want = sync.generate(PROMPTS, params, lora_list)
     got = fast.generate(PROMPTS, params, lora_list)
     assert _summary(got) == _summary(want)
+    # Overlapped, prompt steps really took pending tokens; read back first, never.
+    assert (fast.engine.prompt_fills > 0) != fast.engine.read_back_before_prompt_steps
     assert {w.outputs[0].finish_reason for w in want} >= {"stop", "length"}  # both kinds of ending ran
     for g, w in zip(got, want):
         if w.outputs[0].logprobs is not None:
@@ -179,15 +196,17 @@ def test_a_stop_pending_at_a_prompt_step(make_llm, make_async):  # noqa: F811
     assert_no_leaked_blocks(llm)
 
 
-def test_tensor_parallel_async_equals_sync(make_llm, loras):  # noqa: F811
-    """With TP=2 (gloo) rank 0 broadcasts the pending tokens; the worker rank must use the same ones."""
+def test_tensor_parallel_async_equals_sync(make_llm, make_async, loras):  # noqa: F811
+    """With TP=2 (gloo) rank 0 broadcasts the pending tokens; the worker rank must use the same ones
+    (with prompt steps overlapped too, it broadcasts them into those steps as well)."""
     lora_list = _adapters(loras)
-    sync = make_llm(async_scheduling=False)
+    sync = make_llm(async_scheduling=False, **MIXED)
     params = _stopping_params(sync.generate(PROMPTS, [greedy(16) for _ in PROMPTS], lora_list))
     want = sync.generate(PROMPTS, params, lora_list)
-    tp = make_llm(tensor_parallel_size=2, async_scheduling=True)
+    tp = make_async(tensor_parallel_size=2, **MIXED)
     try:
         assert tp.engine.async_scheduling
         assert _summary(tp.generate(PROMPTS, params, lora_list)) == _summary(want)
+        assert (tp.engine.prompt_fills > 0) != tp.engine.read_back_before_prompt_steps
     finally:
         tp.shutdown()
