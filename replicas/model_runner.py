@@ -332,7 +332,7 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta)).float()
 
     def _graph_batch(self, step: StepInput) -> int | None:
-        """The padded batch a pure decode step replays at, or None to run it eagerly."""
+        """The padded batch a pure decode step replays at; None: not a decode-graph step (piecewise or eager)."""
         n = len(step.input_ids)
         if self.decode_graphs is None or step.is_prefill or not n or len(step.query_lens) != n:
             return None
