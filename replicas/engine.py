@@ -97,7 +97,8 @@ class LLMEngine:
                                   piecewise_graphs=args.cudagraph_mode == "full_and_piecewise",
                                   lora_load_processes=args.lora_load_processes)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
-        self.num_decode_graphs = self.executor.call("warm_up")  # GPU: compile kernels, capture decode graphs
+        # GPU: compile the kernels, capture the decode and piecewise graphs
+        self.num_cuda_graphs = self.executor.call("warm_up")
         mc = self.executor.model_config
         self.model_config = mc
         self.max_model_len = min(args.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

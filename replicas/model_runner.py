@@ -258,8 +258,9 @@ class ModelRunner:
 
     def build_piecewise_graphs(self, capture: bool) -> PiecewiseGraphs:
         """Static buffers for steps with prompt tokens; capture=False runs the pieces eagerly (CPU tests)."""
-        return PiecewiseGraphs(self.model, self.kv_caches, self.punica.token_launch_key if self.punica else lambda: None,
-                               self.cfg.max_num_batched_tokens, self.device, capture)
+        launch_key = self.punica.token_launch_key if self.punica else lambda: None
+        return PiecewiseGraphs(self.model, self.kv_caches, launch_key, self.cfg.max_num_batched_tokens, self.device,
+                               capture)
 
     def warm_up(self) -> int:
         """Before traffic, on GPU (all TP ranks together): compile the kernels, capture the decode graphs.

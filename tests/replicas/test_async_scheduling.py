@@ -171,7 +171,7 @@ def test_on_gpu_with_graphs_equals_sync(demo, loras):
     params = _stopping_params(sync.generate(PROMPTS, [greedy(16) for _ in PROMPTS], lora_list))
     want = sync.generate(PROMPTS, params, lora_list)
     fast = make()
-    assert fast.engine.async_scheduling and fast.engine.num_decode_graphs > 0
+    assert fast.engine.async_scheduling and fast.engine.num_cuda_graphs > 0
     assert _summary(fast.generate(PROMPTS, params, lora_list)) == _summary(want)
     assert_no_leaked_blocks(fast)
 

@@ -98,7 +98,7 @@ def test_prefill_and_oversized_steps_stay_eager(demo, loras):
 def test_cuda_graphs_equal_eager_on_gpu(demo, loras):
     eager = LLM(str(demo.model_dir), **_kwargs(enforce_eager=True))
     graphed = LLM(str(demo.model_dir), **_kwargs())
-    assert eager.engine.num_decode_graphs == 0 and graphed.engine.num_decode_graphs > 0
+    assert eager.engine.num_cuda_graphs == 0 and graphed.engine.num_cuda_graphs > 0
     want, got = _generate(eager, loras), _generate(graphed, loras)
     for w, g in zip(want, got):
         assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids

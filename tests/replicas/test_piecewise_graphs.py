@@ -107,7 +107,7 @@ def test_piecewise_graphs_equal_eager_on_gpu(demo, loras):
     assert decode_only.engine.executor.runner.piecewise is None
     pieces = graphed.engine.executor.runner.piecewise
     assert pieces is not None and pieces.graphs  # captured at warm-up
-    assert graphed.engine.num_decode_graphs > decode_only.engine.num_decode_graphs
+    assert graphed.engine.num_cuda_graphs > decode_only.engine.num_cuda_graphs
     want = _generate(eager, loras)
     for llm in (decode_only, graphed):
         got = _generate(llm, loras)
