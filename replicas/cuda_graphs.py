@@ -25,7 +25,7 @@ padded, static-buffer step eagerly, which is how CI tests the padding.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,6 +42,19 @@ def capture_sizes(max_batch: int) -> list[int]:
         sizes.append(size)
         size += 8 if size < 64 else 16
     return sizes + [max_batch]
+
+
+def layout_keys(sizes: list[int], set_layout: Callable[[int, int], None] | None,
+                layouts: Callable[[int], dict[tuple, int]] | None,
+                launch_key: Callable[[], tuple | None]) -> Iterator[tuple[int, tuple]]:
+    """(size, graph key) for every size, largest first (a shared pool then fits all), and every LoRA
+    layout of it: set_layout(size, adapters) sets synthetic punica metadata for each adapter count
+    that layouts(size) lists, before launch_key() is read. Both None without LoRA."""
+    for size in sorted(sizes, reverse=True):
+        for adapters in (layouts(size).values() if layouts else (0,)):
+            if set_layout:
+                set_layout(size, adapters)
+            yield size, (size, launch_key())
 
 
 class DecodeGraphs:
@@ -164,12 +177,8 @@ class DecodeGraphs:
         if not self.capture:
             return 0
         self.load([], [], [], self.max_batch)
-        for batch in sorted(self.sizes, reverse=True):
-            for adapters in (layouts(batch).values() if layouts else (0,)):
-                if set_layout:
-                    set_layout(batch, adapters)
-                key = (batch, self._launch_key())
-                if key not in self.graphs:
-                    self._capture(key, batch)
+        for batch, key in layout_keys(self.sizes, set_layout, layouts, self._launch_key):
+            if key not in self.graphs:
+                self._capture(key, batch)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)

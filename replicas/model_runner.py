@@ -284,7 +284,7 @@ class ModelRunner:
                     for adapters in counts:
                         self.synthetic_step(tokens, adapters, seqs)
         torch.cuda.synchronize(self.device)
-        return self.capture_decode_graphs() + self.capture_piecewise_graphs()
+        return self.capture_graphs()
 
     @torch.inference_mode()
     def synthetic_step(self, num_tokens: int, num_adapters: int, num_seqs: int = 1) -> torch.Tensor:
@@ -306,27 +306,19 @@ class ModelRunner:
         last = torch.tensor(lens).cumsum(0).sub_(1).to(self.device)
         return self.model.compute_logits(hidden.index_select(0, last)).float()
 
-    def capture_decode_graphs(self) -> int:
-        """Capture every decode graph before traffic (all TP ranks together); returns how many."""
-        if self.decode_graphs is None:
-            return 0
+    def capture_graphs(self) -> int:
+        """Capture every decode graph and piecewise graph before traffic (all TP ranks together); returns
+        how many. Decode graphs cover the sampled rows' LoRA layout too; pieces stop before the LM head."""
+        punica, count = self.punica, 0
         with torch.inference_mode():
-            if self.punica is None:
-                return self.decode_graphs.capture_all(None, None)
-            return self.decode_graphs.capture_all(self.punica.set_decode_layout, self.punica.decode_layouts)
-
-    def capture_piecewise_graphs(self) -> int:
-        """Capture the pieces of every padded size and token layout (all TP ranks together)."""
-        if self.piecewise is None:
-            return 0
-        with torch.inference_mode():
-            if self.punica is None:
-                return self.piecewise.capture_all(None, None)
-
-            def set_layout(rows: int, adapters: int) -> None:
-                self.punica.set_decode_layout(rows, adapters, num_sampled=1)
-
-            return self.piecewise.capture_all(set_layout, self.punica.token_layouts)
+            if self.decode_graphs is not None:
+                count += self.decode_graphs.capture_all(punica and punica.set_decode_layout,
+                                                        punica and punica.decode_layouts)
+            if self.piecewise is not None:
+                count += self.piecewise.capture_all(
+                    punica and (lambda rows, adapters: punica.set_decode_layout(rows, adapters, num_sampled=1)),
+                    punica and punica.token_layouts)
+        return count
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A decode step's model pass: every row is sampled."""

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from replicas.attention import AttentionMetadata
+from replicas.cuda_graphs import layout_keys
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +153,8 @@ class PiecewiseGraphs:
         """
         if not self.capture:
             return 0
-        for size in sorted(self.sizes, reverse=True):
-            for adapters in (layouts(size).values() if layouts else (0,)):
-                if set_layout:
-                    set_layout(size, adapters)
-                key = (size, self._launch_key())
-                if key not in self.graphs:
-                    self._capture(key, size)
+        for size, key in layout_keys(self.sizes, set_layout, layouts, self._launch_key):
+            if key not in self.graphs:
+                self._capture(key, size)
         torch.cuda.synchronize(self.device)
         return sum(len(p) for p in self.graphs.values())

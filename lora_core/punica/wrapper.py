@@ -78,8 +78,8 @@ class PunicaWrapper:
 
     def launch_key(self) -> tuple:
         """This step's host-side launch parameters (token and sampled-row metadata): a CUDA graph's key."""
-        t, p = self.token_meta, self.sampler_meta
-        return t.launch_key(t.num_rows, t.num_adapters) + p.launch_key(p.num_rows, p.num_adapters)
+        p = self.sampler_meta
+        return self.token_launch_key() + p.launch_key(p.num_rows, p.num_adapters)
 
     def token_launch_key(self) -> tuple:
         """The token rows' part of launch_key: all that a graph of the layers (no LM head) freezes."""
@@ -88,18 +88,16 @@ class PunicaWrapper:
 
     def token_layouts(self, num_rows: int) -> dict[tuple, int]:
         """Every token_launch_key of a step of num_rows token rows -> an adapter count giving it."""
-        out: dict[tuple, int] = {}
-        for adapters in range(min(num_rows, self.max_loras) + 1):
-            out.setdefault(self.token_meta.launch_key(num_rows, adapters), adapters)
-        return out
+        return self._layouts(num_rows, (self.token_meta,))
 
     def decode_layouts(self, num_rows: int) -> dict[tuple, int]:
         """Every launch key a decode step of num_rows sequences can have -> an adapter count giving it."""
+        return self._layouts(num_rows, (self.token_meta, self.sampler_meta))
+
+    def _layouts(self, num_rows: int, metas: tuple[PunicaMetadata, ...]) -> dict[tuple, int]:
         out: dict[tuple, int] = {}
         for adapters in range(min(num_rows, self.max_loras) + 1):
-            key = (self.token_meta.launch_key(num_rows, adapters)
-                   + self.sampler_meta.launch_key(num_rows, adapters))
-            out.setdefault(key, adapters)
+            out.setdefault(sum((m.launch_key(num_rows, adapters) for m in metas), ()), adapters)
         return out
 
     def set_decode_layout(self, num_rows: int, num_adapters: int, num_sampled: int | None = None) -> None:
