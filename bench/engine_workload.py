@@ -298,4 +298,15 @@ def summarize(name: str, rank: int, registered: int, run: dict, concurrency: int
                 tpot_p50_ms=1e3 * percentile(tpot, 50), tpot_p99_ms=1e3 * percentile(tpot, 99),
                 decode_ms=1e3 * percentile([s[0] for s in use], 50), decode_batch=mean([s[2] for s in use]),
                 decode_steps=len(use), adapters=mean([s[3] for s in use]), kv_tokens=mean([s[4] for s in use]),
-                loads=run["loads"])
+                loads=run["loads"], **time_breakdown(run))
+
+
+def time_breakdown(run: dict) -> dict:
+    """Where the wall time went: decode-only steps (with their mean batch), steps with prompt tokens,
+    and time outside engine.step (add_request, the driver)."""
+    decode = [s for s in run["steps"] if not s[1]]
+    prompt = [s for s in run["steps"] if s[1]]
+    decode_s, prompt_s = sum(s[0] for s in decode), sum(s[0] for s in prompt)
+    return dict(decode_s=decode_s, decode_steps_all=len(decode), prompt_s=prompt_s, prompt_steps=len(prompt),
+                outside_s=run["wall"] - decode_s - prompt_s,
+                decode_rows=statistics.fmean([s[2] for s in decode]) if decode else float("nan"))

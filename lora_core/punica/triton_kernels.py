@@ -41,6 +41,15 @@ def _deal(num_tiles, per_tile, num_slices, plane, target, cap):
 
 
 @triton.jit
+def _pdl_wait(USE_PDL: tl.constexpr):
+    """A shrink launched under programmatic dependent launch waits here for the kernel before it (the
+    base GEMM, or whatever wrote x). Every program waits, also those that exit early: the shrink must
+    not complete before that kernel has, since the expand it triggers reads y after waiting for it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _tile_tokens(sorted_ptr, start, end, BLOCK_M: tl.constexpr):
     offs = start + tl.arange(0, BLOCK_M)
     m_mask = offs < end
@@ -77,12 +86,14 @@ def shrink_kernel(
                     target, split_cap)
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     if pid >= num_tiles * split_k:
+        _pdl_wait(USE_PDL)
         return
     tile = pid // split_k
     split = pid % split_k
     s = tl.program_id(2)
     lora, start, end = _tile(tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile)
     if lora < 0:
+        _pdl_wait(USE_PDL)
         return
     tok, m_mask = _tile_tokens(sorted_ptr, start, end, BLOCK_M)
     # ranks hold the adapter's full rank; a fully-sharded A holds only R rows of it.
@@ -95,8 +106,16 @@ def shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     x_rows = x_ptr + tok[:, None].to(tl.int64) * sx_t
     a_rows = a_ptr + s.to(tl.int64) * sa_s + lora.to(tl.int64) * sa_l + offs_r[None, :] * sa_r
+    # Launched under the previous kernel (PDL): the metadata and the first A tile are read before
+    # waiting for it, x (which it may have written) after.
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < k_hi
+    at = tl.load(a_rows + offs_k[:, None] * sa_k, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+    _pdl_wait(USE_PDL)
     if rank > 0:
-        for k in range(k_lo, k_hi, BLOCK_K):
+        xt = tl.load(x_rows + offs_k[None, :] * sx_k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += _dot(xt, at, IEEE)
+        for k in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k + tl.arange(0, BLOCK_K)
             k_mask = offs_k < k_hi
             xt = tl.load(x_rows + offs_k[None, :] * sx_k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -190,7 +209,7 @@ def bgmv_shrink_kernel(
     so_split, so_s, so_t, so_r,
     sr_s,
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_A: tl.constexpr,
 ):
     """Decode shrink, one token per program: out[split, s, t, :R] = scale * x[t, k-range] @ A[s, slot_t]^T.
 
@@ -204,6 +223,7 @@ def bgmv_shrink_kernel(
     s = tl.program_id(2)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
+        _pdl_wait(USE_PDL)
         return
     rank = tl.minimum(tl.load(ranks_ptr + s * sr_s + slot), R)
     offs_r = tl.arange(0, BLOCK_R)
@@ -211,10 +231,23 @@ def bgmv_shrink_kernel(
     k_chunk = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, K)
-    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     a_rows = a_ptr + s.to(tl.int64) * sa_s + slot.to(tl.int64) * sa_l + offs_r[:, None] * sa_r
     x_row = x_ptr + t.to(tl.int64) * sx_t
-    for k in range(k_lo, k_hi, BLOCK_K):
+    if PREFETCH_A:
+        # As in shrink_kernel: the first A tile before waiting for the previous kernel, x after. Only
+        # for one or two K steps: peeling a longer loop slowed it more than the early tile saved.
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        a = tl.load(a_rows + offs_k[None, :] * sa_k, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        _pdl_wait(USE_PDL)
+        xk = tl.load(x_row + offs_k * sx_k, mask=k_mask, other=0.0).to(tl.float32)
+        acc = a.to(tl.float32) * xk[None, :]
+        k_first = k_lo + BLOCK_K
+    else:
+        _pdl_wait(USE_PDL)
+        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+        k_first = k_lo
+    for k in range(k_first, k_hi, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
         xk = tl.load(x_row + offs_k * sx_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -238,8 +271,9 @@ def bgmv_expand_kernel(
     """Decode expand, one token per program: y[t, off + n] (+)= sum_split buf[., s, t, :rank] @ B[slot_t, n, :rank]^T.
 
     Under programmatic dependent launch (USE_PDL) this kernel starts while the
-    shrink still runs: the slot, its first B tile and y are loaded before
-    gdc_wait, so their DRAM latency hides behind the shrink.
+    shrink still runs: the slot and its first B tile are loaded before
+    gdc_wait, so their DRAM latency hides behind the shrink; y after it (the
+    shrink itself may have started under the kernel that writes y).
     """
     t = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -262,11 +296,11 @@ def bgmv_expand_kernel(
     n_mask = offs_n < n_end
     w = tl.load(b_rows + offs_n[:, None].to(tl.int64) * sw_n, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
     y_ptrs = y_row + (y_col_offset + offs_n) * sy_n
-    y_old = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if ADD_INPUTS:
-        y_old = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+    y_old = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if ADD_INPUTS:  # after the wait: the shrink's wait covers the kernel that wrote y
+        y_old = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     offs_sp = tl.arange(0, SPLIT_K)
     parts = tl.load(buf_ptr + offs_sp[:, None] * sb_split + s * sb_s + t.to(tl.int64) * sb_t + offs_r[None, :] * sb_r,
                     mask=r_mask[None, :], other=0.0)

@@ -99,6 +99,8 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
     """out [cap, S, T, R] fp32 (+)= scale * x [T, H] @ lora_a [S, L, R, H]^T (partials per K split).
 
     split_k: the grid's splits (shrink_config); SGMV uses up to out.shape[0] splits per real tile.
+    use_pdl: launched under the kernel before it (programmatic dependent launch), reading its
+    metadata and first A tile while that kernel finishes, and triggering the expand after it.
     """
     num_slices, _, rank, hidden = lora_a.shape
     if meta.num_rows == 0:
@@ -112,7 +114,8 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
             *out.stride(),
             ranks.stride(0),
             R=rank, BLOCK_R=_block_r(rank), BLOCK_K=block_k, USE_PDL=use_pdl,
-            num_warps=4, num_stages=2,
+            PREFETCH_A=-(-(-(-hidden // split_k)) // block_k) <= 2,
+            num_warps=4, num_stages=2, **_pdl_kwargs(use_pdl),
         )
         return
     grid = (meta.max_tiles, split_k, num_slices)
@@ -126,7 +129,7 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
         ranks.stride(0),
         R=rank, BLOCK_M=meta.block_m, BLOCK_R=_block_r(rank), BLOCK_K=block_k,
         ACCUMULATE=accumulate, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32,
-        num_warps=4, num_stages=3,
+        num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
     )
 
 

@@ -275,3 +275,84 @@ def test_programs_are_dealt_over_the_real_tiles(num_tokens, popularity):
     ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 0.5, slices, ranks)
     tri.add_lora_linear(got, x, a, b, None, 0.5, slices, ranks)
     _assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4], ids=["4-steps", "2-steps", "1-step"])
+def test_bgmv_shrink_any_number_of_k_steps(split_k):
+    """The BGMV shrink loads its first A tile ahead of the loop only for one or two K steps per
+    program (triton_ops.shrink decides on the host); every split of K must give the same partials."""
+    from lora_core.punica import triton_ops
+
+    dtype = DTYPES[-1]
+    g = torch.Generator().manual_seed(split_k)
+    slices = SLICES[2]
+    a, _, ranks = stacked_weights(NUM_SLOTS, 16, HIDDEN, slices, [16, 8], dtype, DEVICE, g)
+    slots = [3, -1, 0, 5]
+    ids = [1, 2, 3, 4, 5, 6]
+    tri = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=32)
+    tri.update_metadata(_mapping(slots, ids, False), ids)
+    assert tri.token_meta.use_bgmv
+    x = torch.randn(len(slots), HIDDEN, generator=g).to(DEVICE, dtype)
+    parts = torch.full((split_k, len(slices), len(slots), 16), float("nan"), device=DEVICE)
+    triton_ops.shrink(parts, x, a, ranks, tri.token_meta, 0.5, accumulate=False, split_k=split_k,
+                      block_k=HIDDEN // 4)
+    got = parts[:, :, [0, 2, 3]].sum(0)
+    want = torch.stack([0.5 * x[i].float() @ a[:, s].float().transpose(1, 2) for i, s in [(0, 3), (2, 0), (3, 5)]], 1)
+    _assert_close(got, want, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("last", ["y", "x"], ids=["y-written-last", "x-written-last"])
+@pytest.mark.parametrize("num_tokens,popularity", [(1, "identical"), (24, "distinct"), (48, "identical")])
+def test_lora_waits_for_the_kernels_that_write_x_and_y(num_tokens, popularity, last):
+    """Under programmatic dependent launch the shrink starts while the kernel before it still runs
+    and the expand while the shrink does. Here a slow GEMM writes y (or x) right before
+    add_lora_linear, in a CUDA graph replayed on new inputs: the LoRA must see its result."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(num_tokens)
+    slices = SLICES[3]
+    a, b, ranks = stacked_weights(NUM_SLOTS, 16, HIDDEN, slices, [16, 8], dtype, DEVICE, g)
+    slots = token_slots(num_tokens, NUM_SLOTS, popularity, g)
+    ids = [1, 2, 3, 4, 5, 6]
+    tri = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="triton")
+    ref = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="torch")
+    for w in (tri, ref):
+        w.update_metadata(_mapping(slots, ids, False), ids)
+    assert tri.use_pdl == (torch.cuda.get_device_capability()[0] >= 9)
+    deep = 1 << 16  # a long reduction: these GEMMs take far longer than a LoRA kernel's start-up
+    p = torch.randn(num_tokens, deep, device=DEVICE, dtype=dtype)
+    q = torch.randn(deep, HIDDEN, device=DEVICE, dtype=dtype) / deep ** 0.5
+    w_base = torch.randn(HIDDEN, deep, device=DEVICE, dtype=dtype) / HIDDEN ** 0.5
+    w_out = torch.randn(deep, sum(slices), device=DEVICE, dtype=dtype) / deep ** 0.5
+    x = torch.zeros(num_tokens, HIDDEN, device=DEVICE, dtype=dtype)
+    x_base = torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=dtype)  # y's input when x is written last
+
+    def step() -> torch.Tensor:
+        if last == "y":
+            torch.mm(p, q, out=x)
+            y = (x @ w_base) @ w_out
+        else:
+            y = (x_base @ w_base) @ w_out
+            torch.mm(p, q, out=x)
+        tri.add_lora_linear(y, x, a, b, None, 1.0, slices, ranks)
+        return y
+
+    def expected() -> torch.Tensor:
+        xs = p @ q
+        want = (((xs if last == "y" else x_base) @ w_base) @ w_out).float()
+        ref.add_lora_linear(want, xs.float(), a.float(), b.float(), None, 1.0, slices, ranks)
+        return want
+
+    _assert_close(step(), expected(), dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    for _ in range(3):
+        p.copy_(torch.randn(num_tokens, deep, generator=g).to(DEVICE, dtype))
+        graph.replay()
+        _assert_close(y, expected(), dtype)
