@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("\nwhere the wall time went (s): decode-only steps (count, mean rows), steps with prompt tokens, outside")
     for row in rows:
         if "decode_s" in row:
-            print(f"{row['scenario']:18} wall {row['wall_s']:6.2f}  decode {row['decode_s']:6.2f} "
+            print(f"time {row['scenario']:18} wall {row['wall_s']:6.2f}  decode {row['decode_s']:6.2f} "
                   f"({row['decode_steps_all']:5d}, {row['decode_rows']:5.1f} rows)  prompt {row['prompt_s']:6.2f} "
                   f"({row['prompt_steps']:4d})  outside {row['outside_s']:6.2f}")
     print(f"CSV: {csv_path}")

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         return preparer.prepare(LoRAModel.from_local_checkpoint(
             request.lora_path, expected, lora_model_id=request.lora_int_id, lora_config=cfg, module_specs=specs))
 
-    procs = ProcessAdapterLoader(1, preparer, expected, cfg, specs, pin=False)
+    procs = ProcessAdapterLoader(1, preparer, expected, cfg, specs, adopt=None)
 
     def in_process(request):
         return procs.load(request)[1].copy(pin_memory=False)  # the serving process's one copy (pinned on GPU)

@@ -9,6 +9,7 @@ by device and by host time.
 
     python bench/profile_step.py --rank 16 --steps 40
     python bench/profile_step.py --rank 16 --steps 40 --adapters 200   # every request its own adapter
+    python bench/profile_step.py --rank 16 --steps 80 --adapters 100 --load-processes 4   # > slots and host cache
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main(argv=None) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--adapters", type=int, default=1,
                    help="adapters the requests cycle through (1: one for all; e.g. 200: distinct, with loads)")
+    p.add_argument("--load-processes", type=int, default=0, help="EngineArgs.lora_load_processes")
     p.add_argument("--trace", default=None, help="also write the profile as a gzipped Chrome trace here")
     a = p.parse_args(argv)
     shape = TINY if a.tiny else LLAMA3_8B
@@ -54,7 +56,8 @@ def main(argv=None) -> None:
     engine = LLMEngine(EngineArgs(model=str(model_dir), enable_lora=a.rank > 0, max_loras=a.concurrency,
                                   max_lora_rank=max(a.rank, 1), num_kv_blocks=a.concurrency * 64 + 8,
                                   max_num_seqs=max(64, a.concurrency), enable_prefix_caching=False,
-                                  load_format="dummy", enforce_eager=a.enforce_eager))
+                                  load_format="dummy", enforce_eager=a.enforce_eager,
+                                  lora_load_processes=a.load_processes))
     reqs = make_requests(8 * a.concurrency, (8, 512), (8, 512), shape["vocab_size"], None, seed=0)
     it = iter(enumerate(reqs))
     kinds: dict[str, list[float]] = {"mixed": [], "decode": []}
@@ -68,8 +71,11 @@ def main(argv=None) -> None:
     engine._step_input = recording
     runner = getattr(engine.executor, "runner", None)
     if runner is not None:  # named ranges in the trace for the host phases of a step
+        adapters = ((runner, "_register"), (runner, "prefetch_loras"), (runner, "finish_lora_load"),
+                    (runner.lora_manager, "activate_adapter"), (runner.lora_manager, "add_prepared")) \
+            if runner.lora_manager is not None else ()
         for obj, name in ((runner, "execute"), (runner, "_set_lora_mapping"), (runner.model, "forward"),
-                          (engine, "_step_input"), (engine, "_read_back")):
+                          (engine, "_step_input"), (engine, "_read_back")) + adapters:
             if hasattr(obj, name):
                 setattr(obj, name, _named(getattr(obj, name), f"lf::{name}"))
 
@@ -110,6 +116,10 @@ def main(argv=None) -> None:
         wall_ms = 1e3 * sum(sum(times) for times in kinds.values())
         print(f"GPU busy {busy_ms:.1f} ms of {wall_ms:.1f} ms wall ({100 * busy_ms / wall_ms:.0f}%) "
               f"over {a.steps} steps")
+    pool = getattr(getattr(runner, "lora_manager", None), "host_pool", None)
+    if pool is not None:
+        print(f"host pool: {pool.num_blocks} blocks of {pool.block_bytes / 2**20:.1f} MiB, {pool.free_blocks} free, "
+              f"{pool.fallbacks} allocations fell back to pinning their own slab")
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))

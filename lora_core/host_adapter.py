@@ -13,6 +13,7 @@ into pinned memory in one piece.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from lora_core.errors import (AdapterShapeError, LoRAConfigError, RankTooLargeEr
 from lora_core.layer_weights import LoRALayerWeights
 from lora_core.lora_model import LoRAModel
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
+from lora_core.pinned_pool import PinnedBlock, PinnedSlabPool
 from lora_core.tp import local_dims, local_rank, shard_lora_a, shard_lora_b, shard_lora_bias
 
 _MEMORY = ("plain", "pinned", "shared")
@@ -45,19 +47,24 @@ class HostAdapter:
     id: int
     rank: int
     modules: dict[str, tuple[torch.Tensor, list[SliceWrite]]]  # spec name -> (ranks [S] int32, writes)
+    # The pool block the tensors view (PinnedSlabPool), released when this adapter is collected.
+    block: PinnedBlock | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for ranks, writes in self.modules.values()
                 for t in [ranks] + [x for w in writes for x in (w.a, w.b, w.bias) if x is not None]]
 
-    def copy(self, pin_memory: bool = True) -> "HostAdapter":
-        """The same adapter in a new slab (pinned by default): one allocation, one copy (every tensor views one slab)."""
+    def copy(self, pin_memory: bool = True, pool: PinnedSlabPool | None = None) -> "HostAdapter":
+        """The same adapter in a new slab: one allocation, one copy (every tensor views one slab).
+
+        The slab is a block of ``pool`` when it has one free, else pinned (by default) on its own.
+        """
         tensors = self.tensors()
         storage = tensors[0].untyped_storage()
         if any(t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous() for t in tensors):
             raise ValueError("HostAdapter.copy() needs every tensor to be a contiguous view of one slab")
         source = torch.empty(0, dtype=torch.uint8).set_(storage)
-        slab = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=pin_memory)
+        slab, block = _slab(source.numel(), pin_memory, pool)
         slab.copy_(source)
 
         def moved(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -66,10 +73,23 @@ class HostAdapter:
             start = t.storage_offset() * t.element_size()
             return slab[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
 
-        return HostAdapter(self.id, self.rank, {
+        return _owning(pool, block, HostAdapter(self.id, self.rank, {
             name: (moved(ranks), [dataclasses.replace(w, a=moved(w.a), b=moved(w.b), bias=moved(w.bias))
                                   for w in writes])
-            for name, (ranks, writes) in self.modules.items()})
+            for name, (ranks, writes) in self.modules.items()}, block))
+
+
+def _slab(nbytes: int, pin_memory: bool, pool: PinnedSlabPool | None) -> tuple[torch.Tensor, PinnedBlock | None]:
+    block = pool.allocate(nbytes) if pool is not None else None
+    if block is not None:
+        return block.tensor, block
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory), None
+
+
+def _owning(pool: PinnedSlabPool | None, block: PinnedBlock | None, adapter: HostAdapter) -> HostAdapter:
+    if block is not None:
+        pool.adopt(adapter, block)
+    return adapter
 
 
 class AdapterPreparer:
@@ -90,12 +110,13 @@ class AdapterPreparer:
         self.dims = {name: local_dims(spec, tp_rank, tp_size, lora_config.max_lora_rank,
                                       lora_config.fully_sharded_loras) for name, spec in specs.items()}
 
-    def prepare(self, lora: LoRAModel, memory: str = "plain") -> HostAdapter:
+    def prepare(self, lora: LoRAModel, memory: str = "plain", pool: PinnedSlabPool | None = None) -> HostAdapter:
         """Validate lora against the slots and lay it out for them in ONE host allocation.
 
         memory: "plain", "pinned" (for asynchronous host-to-device copies) or
         "shared" (shared memory, to hand the adapter from a loader process to
         the serving one without a copy; HostAdapter.copy() then pins it).
+        pool: plain or pinned slabs come from its blocks while it has free ones.
         Raises the typed errors of a bad adapter and touches nothing else.
         """
         if memory not in _MEMORY:
@@ -112,10 +133,26 @@ class AdapterPreparer:
             self._check_layer(where, name, layer, self.specs[spec_name], index)
             grouped.setdefault(spec_name, [None] * len(self.specs[spec_name].out_slices))[index] = layer
         modules = {name: self._prepare_module(self.specs[name], layers) for name, layers in grouped.items()}
-        return HostAdapter(lora.id, lora.rank, self._to_host(modules, memory))
+        pool = pool if memory != "shared" else None
+        host, block = self._to_host(modules, memory, pool)
+        return _owning(pool, block, HostAdapter(lora.id, lora.rank, host, block))
 
-    def _to_host(self, modules: dict[str, tuple[torch.Tensor, list[SliceWrite]]], memory: str
-                 ) -> dict[str, tuple[torch.Tensor, list[SliceWrite]]]:
+    def max_slab_bytes(self) -> int:
+        """The largest slab prepare() can lay out: every module at max_lora_rank (its slot's size)."""
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for name, dims in self.dims.items():
+            n_slices = len(dims.out_slices)
+            a = math.prod(dims.lora_a_shape(1)) * esize
+            b = math.prod(dims.lora_b_shape(1)) * esize
+            bias = sum(dims.out_slices) * esize if self.config.bias_enabled else 0
+            # Per tensor up to 63 bytes of alignment: ranks, and a, b, bias per slice.
+            total += 4 * n_slices + a + b + bias + 64 * (1 + 3 * n_slices)
+        return total
+
+    def _to_host(self, modules: dict[str, tuple[torch.Tensor, list[SliceWrite]]], memory: str,
+                 pool: PinnedSlabPool | None = None
+                 ) -> tuple[dict[str, tuple[torch.Tensor, list[SliceWrite]]], PinnedBlock | None]:
         """Contiguous copies of every tensor, in the slot dtype, carved from ONE host allocation.
 
         Pinning (and sharing) is a driver or kernel call that costs far more
@@ -133,7 +170,7 @@ class AdapterPreparer:
         starts = [0]
         for size in sizes:
             starts.append(starts[-1] + -(-size // 64) * 64)  # 64-byte aligned, so every dtype can view its slice
-        slab = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=memory == "pinned")
+        slab, block = _slab(starts[-1], memory == "pinned", pool)
         if memory == "shared":
             slab.share_memory_()  # empty, so moving it to shared memory copies nothing
 
@@ -149,7 +186,7 @@ class AdapterPreparer:
             out[name] = (ranks, [dataclasses.replace(w, a=next(copies), b=next(copies), scale=1.0,
                                                      bias=next(copies) if w.bias is not None else None)
                                  for w in writes])
-        return out
+        return out, block
 
     def _check_layer(self, where: str, name: str, layer: LoRALayerWeights, spec: LoRAModuleSpec,
                      index: int) -> None:

@@ -35,13 +35,17 @@ from lora_core.host_cache import HostLRUCache
 from lora_core.lora_model import LoRAModel
 from lora_core.mapping import LoRAMapping
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec
+from lora_core.pinned_pool import PinnedSlabPool
 from lora_core.slot_buffers import LoRASlotBuffers
 from lora_core.tp import LocalDims
 
 
 class LoRAModelManager:
     def __init__(self, specs: list[LoRAModuleSpec], lora_config: LoRAConfig, device: torch.device | str,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, host_pool_blocks: int = 0) -> None:
+        """host_pool_blocks > 0: host-tier slabs come from a PinnedSlabPool of that many blocks, pinned
+        here (on CUDA) so that serving never pins memory: max_cpu_loras plus the loads that can be in
+        flight at once. 0: each adapter pins its own slab as it arrives."""
         self.config = lora_config
         self.device = torch.device(device)
         self.dtype = lora_config.slot_dtype(dtype)
@@ -55,6 +59,8 @@ class LoRAModelManager:
         self._dims = self.preparer.dims
         self._buffers = {name: self._allocate(spec, self._dims[name]) for name, spec in self.specs.items()}
         self._pin_host = self.device.type == "cuda" and torch.cuda.is_available()
+        self.host_pool = PinnedSlabPool(self.preparer.max_slab_bytes(), host_pool_blocks, self._pin_host) \
+            if host_pool_blocks > 0 else None
         self._slots: list[int | None] = [None] * lora_config.max_loras
         self._active: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
         self._running: frozenset[int] = frozenset()
@@ -124,7 +130,12 @@ class LoRAModelManager:
         """
         if isinstance(lora.id, bool) or not isinstance(lora.id, int) or lora.id < 1:
             raise LoRAConfigError(f"a LoRA adapter id must be an integer > 0, got {lora.id!r}")
-        return self.preparer.prepare(lora, "pinned" if self._pin_host else "plain")
+        return self.preparer.prepare(lora, "pinned" if self._pin_host else "plain", self.host_pool)
+
+    def adopt_shared(self, shared: HostAdapter) -> HostAdapter:
+        """A prepared adapter from a loader process (shared memory) copied into this rank's host memory:
+        a pool block, or a slab of its own when none is free (pinned on CUDA)."""
+        return shared.copy(pin_memory=self._pin_host, pool=self.host_pool)
 
     def add_prepared(self, prepared: HostAdapter) -> bool:
         """Register a prepare_adapter result in the host LRU; False if that id was already there."""
@@ -251,3 +262,5 @@ class LoRAModelManager:
                     if w.bias is not None and buf.bias is not None:
                         buf.bias[slot, rows].copy_(w.bias, non_blocking=True)
                 buf.ranks[:, slot].copy_(ranks, non_blocking=True)
+            if adapter.block is not None and self._pin_host:
+                adapter.block.record()  # the pool hands the block out again only after these copies

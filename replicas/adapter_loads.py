@@ -41,9 +41,15 @@ class AdapterLoads:
         self._threads: ThreadPoolExecutor | None = None
         # With worker processes each load in flight holds a thread only to wait and copy the result
         # into pinned memory: one thread per process, or the processes past the second sit idle.
-        self._num_threads = max(_LOADER_THREADS, processes)
+        self._num_threads = self.threads_for(processes)
         self.process_loader = (ProcessAdapterLoader(processes, manager.preparer, self.expected, lora_config,
-                                                    specs, pin=pin) if processes > 0 else None)
+                                                    specs, adopt=manager.adopt_shared if pin else None)
+                               if processes > 0 else None)
+
+    @staticmethod
+    def threads_for(processes: int) -> int:
+        """Loader threads, so loads in flight at once, with that many worker processes."""
+        return max(_LOADER_THREADS, processes)
 
     def start(self, request: LoRARequest) -> None:
         """Start loading on a loader thread (in a worker process through it, if any); a second start

@@ -39,6 +39,9 @@ class EngineArgs:
     # Opt-in: adapter loads in this many worker processes instead of threads, so they share no GIL with
     # the engine (replicas/lora_load_process.py; needs an `if __name__ == "__main__":` guard).
     lora_load_processes: int = 0
+    # Host memory for max_cpu_loras adapters (plus loads in flight), each sized for max_lora_rank, pinned at
+    # start-up (lora_core/pinned_pool.py), so serving never pins memory; False pins per adapter as it arrives.
+    lora_host_pool: bool = True
     # Launch each step before the previous one's tokens are read back (replicas/engine.py docstring). None: on for
     # CUDA. Needs an executor that takes tokens on the device (all of ours do; with TP rank 0 sends
     # them to the others). On CPU the model runs synchronously, so it only delays outputs by a step

@@ -6,7 +6,7 @@ out), and the engine's thread waits for it at every torch call. Here a
 spawned worker process reads, validates and lays out the adapter
 (host_adapter.AdapterPreparer) in shared memory, and the engine's process
 only copies that one slab into pinned memory (one copy_, which releases the
-GIL). On an H200 host (bench/load_contention.py) loads on a thread slowed
+GIL; a block of the manager's PinnedSlabPool, pinned at start-up). On an H200 host (bench/load_contention.py) loads on a thread slowed
 a tiny engine's steps 1.78x at the median, in a process 0.93x (no slowdown),
 at the same load rate; with the 8B engine, rows with many loads gained 11-26%
 tok/s (bench/RESULTS.md, fourth session).
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from concurrent.futures import ProcessPoolExecutor
+from typing import Callable
 
 import torch
 import torch.multiprocessing  # noqa: F401  (tensors cross the process boundary in shared memory)
@@ -54,16 +55,18 @@ class ProcessAdapterLoader:
     """load(request) -> (rank, HostAdapter) from a pool of worker processes; typed errors cross intact."""
 
     def __init__(self, workers: int, preparer: AdapterPreparer, expected: list[str], lora_config: LoRAConfig,
-                 specs: list[LoRAModuleSpec], pin: bool) -> None:
+                 specs: list[LoRAModuleSpec], adopt: Callable[[HostAdapter], HostAdapter] | None) -> None:
+        """adopt: moves a worker's shared-memory adapter into this process's host memory (on CUDA
+        LoRAModelManager.adopt_shared, into pinned memory); None keeps it in shared memory."""
         self._pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init,
                                          initargs=(preparer, expected, lora_config, specs))
-        self._pin = pin
+        self._adopt = adopt
         for _ in range(workers):  # start the workers now: importing torch there takes seconds
             self._pool.submit(_ready)
 
     def load(self, request: LoRARequest) -> tuple[int, HostAdapter]:
         rank, shared = self._pool.submit(_load, request).result()
-        return rank, shared.copy() if self._pin else shared
+        return rank, self._adopt(shared) if self._adopt is not None else shared
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

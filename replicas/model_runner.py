@@ -68,6 +68,7 @@ class RunnerConfig:
     # on GPU; False runs them eagerly (decode steps keep their graphs).
     piecewise_graphs: bool = True
     lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
+    lora_host_pool: bool = True  # host-tier adapters in blocks pinned at start-up (lora_core/pinned_pool.py)
 
 
 class ModelRunner:
@@ -105,8 +106,11 @@ class ModelRunner:
 
     def _setup_lora(self, cfg: RunnerConfig) -> None:
         specs = lora_module_specs(self.model)
+        # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
+        blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(cfg.lora_load_processes) + 1
         self.lora_manager = LoRAModelManager(specs, cfg.lora_config, self.device, self.model_config.dtype,
-                                             self.ctx.tp_rank, self.ctx.tp_size)
+                                             self.ctx.tp_rank, self.ctx.tp_size,
+                                             host_pool_blocks=blocks if cfg.lora_host_pool else 0)
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs)
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)

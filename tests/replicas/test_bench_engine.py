@@ -60,6 +60,18 @@ def test_every_scenario_row_has_finite_numbers(tiny_run):
     assert "x hf" in tiny_run[0]
 
 
+def test_wall_time_is_split_into_steps_and_the_rest(tiny_run):
+    path = tiny_run[1] / "engine_tiny.csv"
+    with open(path, newline="") as f:
+        rows = {r["scenario"]: r for r in csv.DictReader(f)}
+    for name in ENGINE_ROWS:
+        r = {k: float(rows[name][k]) for k in ("wall_s", "decode_s", "prompt_s", "outside_s", "decode_rows")}
+        assert r["decode_s"] > 0 and r["prompt_s"] > 0 and r["outside_s"] >= 0, (name, r)
+        assert math.isclose(r["decode_s"] + r["prompt_s"] + r["outside_s"], r["wall_s"], rel_tol=1e-6), (name, r)
+        assert 1 <= r["decode_rows"] <= 4, (name, r)  # the tiny run's closed loop of 4
+    assert tiny_run[0].count("\ntime ") == len(ENGINE_ROWS)
+
+
 def test_csv_holds_every_row(tiny_run):
     path = tiny_run[1] / "engine_tiny.csv"
     with open(path, newline="") as f:

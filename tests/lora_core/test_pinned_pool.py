@@ -1,0 +1,112 @@
+"""PinnedSlabPool and the host tier on it: blocks handed out, returned with their adapters, reused
+without stale bytes, a fallback when full; on a GPU, a block is not reused under a running copy."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from lora_core.config import LoRAConfig
+from lora_core.model_manager import LoRAModelManager
+from lora_core.pinned_pool import PinnedSlabPool
+from tests.lora_core.test_model_manager import MAX_RANK, SPECS, assert_slot_holds, make_lora
+
+
+def pooled_manager(blocks: int, max_loras: int = 2, max_cpu_loras: int = 2, bias: bool = False) -> LoRAModelManager:
+    cfg = LoRAConfig(max_loras=max_loras, max_lora_rank=MAX_RANK, max_cpu_loras=max_cpu_loras, bias_enabled=bias)
+    return LoRAModelManager(SPECS, cfg, "cpu", torch.float32, host_pool_blocks=blocks)
+
+
+def _views(adapter, pool: PinnedSlabPool) -> bool:
+    lo = pool._region.data_ptr()
+    hi = lo + pool._region.numel()
+    return all(lo <= t.data_ptr() < hi for t in adapter.tensors())
+
+
+def test_blocks_are_handed_out_and_returned():
+    pool = PinnedSlabPool(1000, 2, pin=False)
+    assert pool.block_bytes == 1024  # 64-byte aligned blocks
+    a, b = pool.allocate(10), pool.allocate(1024)
+    assert a.tensor.numel() == 10 and b.tensor.numel() == 1024 and a.index != b.index
+    assert pool.allocate(1) is None and pool.fallbacks == 1 and pool.free_blocks == 0
+    assert pool.allocate(1025) is None  # larger than a block
+    pool.release(a)
+    with pytest.raises(ValueError, match="released twice"):
+        pool.release(a)
+    c = pool.allocate(5)
+    assert c.index == a.index and pool.free_blocks == 0
+
+
+def test_max_slab_bytes_bounds_every_adapter():
+    for bias in (False, True):
+        m = pooled_manager(1, bias=bias)
+        full = m.prepare_adapter(make_lora(1, MAX_RANK, bias=bias))
+        used = max(t.data_ptr() + t.numel() * t.element_size() for t in full.tensors()) \
+            - min(t.data_ptr() for t in full.tensors())
+        assert used <= m.preparer.max_slab_bytes() <= m.host_pool.block_bytes
+        assert full.block is not None and _views(full, m.host_pool)
+
+
+def test_host_tier_lives_in_the_pool_and_frees_blocks_on_eviction():
+    m = pooled_manager(blocks=3, max_cpu_loras=2)
+    pool = m.host_pool
+    loras = [make_lora(i, r) for i, r in ((1, 16), (2, 4), (3, 8))]
+    m.add_adapter(loras[0])
+    m.add_adapter(loras[1])
+    assert pool.free_blocks == 1
+    m.add_adapter(loras[2])  # evicts adapter 1 from the host LRU: its block comes back
+    gc.collect()
+    assert m.list_adapters() == [2, 3] and pool.free_blocks == 1
+    m.add_adapter(loras[0])  # reuses a freed block: the slot must hold adapter 1, not stale bytes
+    for lora in (loras[2], loras[0]):
+        assert_slot_holds(m, m.activate_adapter(lora.id), lora)
+    assert pool.fallbacks == 0
+    m.remove_adapter(3)
+    m.remove_adapter(1)
+    gc.collect()
+    assert pool.free_blocks == 3
+
+
+def test_a_full_pool_falls_back_to_slabs_of_their_own():
+    m = pooled_manager(blocks=1, max_cpu_loras=2)
+    first, second = make_lora(1, 8), make_lora(2, 16)
+    m.add_adapter(first)
+    m.add_adapter(second)
+    assert m.host_pool.fallbacks == 1 and m.host_pool.free_blocks == 0
+    for lora in (first, second):
+        assert_slot_holds(m, m.activate_adapter(lora.id), lora)
+
+
+def test_adapters_from_loader_processes_are_adopted_into_the_pool():
+    m = pooled_manager(blocks=2)
+    shared = m.preparer.prepare(make_lora(1, 8), "shared", m.host_pool)
+    assert shared.block is None and m.host_pool.free_blocks == 2  # shared memory is never pooled
+    adopted = m.adopt_shared(shared)
+    assert adopted.block is not None and _views(adopted, m.host_pool)
+    m.add_prepared(adopted)
+    assert_slot_holds(m, m.activate_adapter(1), make_lora(1, 8))
+    del shared, adopted
+    m.remove_adapter(1)
+    gc.collect()
+    assert m.host_pool.free_blocks == 2
+
+
+@pytest.mark.gpu
+def test_a_block_is_not_reused_while_a_copy_reads_it():
+    pool = PinnedSlabPool(1 << 24, 1, pin=True)
+    block = pool.allocate(1 << 24)
+    assert block.tensor.is_pinned()
+    block.tensor.fill_(7)
+    dst = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # the copy starts long after allocate() below would return
+        dst.copy_(block.tensor, non_blocking=True)
+        block.record()
+    pool.release(block)
+    again = pool.allocate(1 << 24)  # must wait for the copy before the bytes can change
+    again.tensor.fill_(1)
+    torch.cuda.synchronize()
+    assert int(dst.min()) == 7 == int(dst.max())
