@@ -4,7 +4,8 @@ AdapterPreparer turns a LoRAModel into a HostAdapter: every module checked
 against the served model's LoRA module specs, sub-modules grouped per packed
 layer, cut for (tp_rank, tp_size) by tp.py, oriented as the slots are, cast
 to the slot dtype with the LoRA scaling folded into B, all in ONE host
-allocation, so activating it is a handful of non-blocking copies. It holds no
+allocation laid out as one GPU slot (slot_layout.SlotLayout), so activating it
+is one non-blocking copy. It holds no
 GPU state and pickles, so a loader process can run it (replicas/model_runner.py):
 the adapter then comes back in shared memory, and HostAdapter.copy() moves it
 into pinned memory in one piece.
@@ -13,7 +14,6 @@ into pinned memory in one piece.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ from lora_core.layer_weights import LoRALayerWeights
 from lora_core.lora_model import LoRAModel
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
 from lora_core.pinned_pool import PinnedBlock, PinnedSlabPool
+from lora_core.slot_layout import SlotLayout
 from lora_core.tp import local_dims, local_rank, shard_lora_a, shard_lora_b, shard_lora_bias
 
 _MEMORY = ("plain", "pinned", "shared")
@@ -44,39 +45,28 @@ class SliceWrite:
 
 @dataclass
 class HostAdapter:
+    """One adapter as one image of a GPU slot (slot_layout.SlotLayout): ``slab`` holds every module's
+    A, B and bias at the slot's offsets, zero past the adapter's ranks; ``ranks`` [modules, max_slices]
+    int32 views the slab's header."""
+
     id: int
     rank: int
-    modules: dict[str, tuple[torch.Tensor, list[SliceWrite]]]  # spec name -> (ranks [S] int32, writes)
-    # The pool block the tensors view (PinnedSlabPool), released when this adapter is collected.
+    slab: torch.Tensor  # uint8 [slot_bytes]
+    ranks: torch.Tensor  # int32 [modules, max_slices], a view of slab
+    # The pool block the slab views (PinnedSlabPool), released when this adapter is collected.
     block: PinnedBlock | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for ranks, writes in self.modules.values()
-                for t in [ranks] + [x for w in writes for x in (w.a, w.b, w.bias) if x is not None]]
+        return [self.slab]
 
     def copy(self, pin_memory: bool = True, pool: PinnedSlabPool | None = None) -> "HostAdapter":
-        """The same adapter in a new slab: one allocation, one copy (every tensor views one slab).
-
-        The slab is a block of ``pool`` when it has one free, else pinned (by default) on its own.
-        """
-        tensors = self.tensors()
-        storage = tensors[0].untyped_storage()
-        if any(t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous() for t in tensors):
-            raise ValueError("HostAdapter.copy() needs every tensor to be a contiguous view of one slab")
-        source = torch.empty(0, dtype=torch.uint8).set_(storage)
-        slab, block = _slab(source.numel(), pin_memory, pool)
-        slab.copy_(source)
-
-        def moved(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            start = t.storage_offset() * t.element_size()
-            return slab[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-
-        return _owning(pool, block, HostAdapter(self.id, self.rank, {
-            name: (moved(ranks), [dataclasses.replace(w, a=moved(w.a), b=moved(w.b), bias=moved(w.bias))
-                                  for w in writes])
-            for name, (ranks, writes) in self.modules.items()}, block))
+        """The same adapter in a new slab, by one copy: a block of ``pool`` when it has one free, else
+        its own allocation (pinned by default)."""
+        slab, block = _slab(self.slab.numel(), pin_memory, pool)
+        slab.copy_(self.slab)
+        start = (self.ranks.data_ptr() - self.slab.data_ptr()) // 4
+        ranks = slab.view(torch.int32)[start:start + self.ranks.numel()].view(self.ranks.shape)
+        return _owning(pool, block, HostAdapter(self.id, self.rank, slab, ranks, block))
 
 
 def _slab(nbytes: int, pin_memory: bool, pool: PinnedSlabPool | None) -> tuple[torch.Tensor, PinnedBlock | None]:
@@ -109,6 +99,7 @@ class AdapterPreparer:
                 self._targets[sub] = (spec.name, index)
         self.dims = {name: local_dims(spec, tp_rank, tp_size, lora_config.max_lora_rank,
                                       lora_config.fully_sharded_loras) for name, spec in specs.items()}
+        self.layout = SlotLayout(self.dims, slot_dtype, lora_config.bias_enabled)
 
     def prepare(self, lora: LoRAModel, memory: str = "plain", pool: PinnedSlabPool | None = None) -> HostAdapter:
         """Validate lora against the slots and lay it out for them in ONE host allocation.
@@ -134,59 +125,37 @@ class AdapterPreparer:
             grouped.setdefault(spec_name, [None] * len(self.specs[spec_name].out_slices))[index] = layer
         modules = {name: self._prepare_module(self.specs[name], layers) for name, layers in grouped.items()}
         pool = pool if memory != "shared" else None
-        host, block = self._to_host(modules, memory, pool)
-        return _owning(pool, block, HostAdapter(lora.id, lora.rank, host, block))
-
-    def max_slab_bytes(self) -> int:
-        """The largest slab prepare() can lay out: every module at max_lora_rank (its slot's size)."""
-        esize = torch.empty((), dtype=self.dtype).element_size()
-        total = 0
-        for name, dims in self.dims.items():
-            n_slices = len(dims.out_slices)
-            a = math.prod(dims.lora_a_shape(1)) * esize
-            b = math.prod(dims.lora_b_shape(1)) * esize
-            bias = sum(dims.out_slices) * esize if self.config.bias_enabled else 0
-            # Per tensor up to 63 bytes of alignment: ranks, and a, b, bias per slice.
-            total += 4 * n_slices + a + b + bias + 64 * (1 + 3 * n_slices)
-        return total
-
-    def _to_host(self, modules: dict[str, tuple[torch.Tensor, list[SliceWrite]]], memory: str,
-                 pool: PinnedSlabPool | None = None
-                 ) -> tuple[dict[str, tuple[torch.Tensor, list[SliceWrite]]], PinnedBlock | None]:
-        """Contiguous copies of every tensor, in the slot dtype, carved from ONE host allocation.
-
-        Pinning (and sharing) is a driver or kernel call that costs far more
-        than the copy for small tensors: one per adapter, not one per tensor
-        (an 8B-shaped adapter has some 450 of them).
-        """
-        tensors: list[tuple[torch.Tensor, torch.dtype, float]] = []  # (source, slot dtype, scale)
-        for ranks, writes in modules.values():
-            tensors.append((ranks, torch.int32, 1.0))
-            for w in writes:
-                tensors += [(w.a, self.dtype, 1.0), (w.b, self.dtype, w.scale)]
-                if w.bias is not None:
-                    tensors.append((w.bias, self.dtype, w.scale))
-        sizes = [t.numel() * torch.empty((), dtype=d).element_size() for t, d, _ in tensors]
-        starts = [0]
-        for size in sizes:
-            starts.append(starts[-1] + -(-size // 64) * 64)  # 64-byte aligned, so every dtype can view its slice
-        slab, block = _slab(starts[-1], memory == "pinned", pool)
+        slab, block = _slab(self.layout.slot_bytes, memory == "pinned", pool)
         if memory == "shared":
             slab.share_memory_()  # empty, so moving it to shared memory copies nothing
+        ranks = self._write_image(slab, modules)
+        return _owning(pool, block, HostAdapter(lora.id, lora.rank, slab, ranks, block))
 
-        def place(t: torch.Tensor, dtype: torch.dtype, scale: float, start: int, size: int) -> torch.Tensor:
-            dst = slab[start:start + size].view(dtype).view(tuple(t.shape))
-            # As LoRALayerWeights.optimize: the product in the source dtype, rounded once into the slot's.
-            return dst.copy_(t) if scale == 1.0 else torch.mul(t, scale, out=dst)
+    def max_slab_bytes(self) -> int:
+        """The bytes of every adapter's slab: one slot's image (SlotLayout.slot_bytes)."""
+        return self.layout.slot_bytes
 
-        copies = iter([place(*t, start, size) for t, start, size in zip(tensors, starts, sizes)])
-        out = {}
-        for name, (_, writes) in modules.items():
-            ranks = next(copies)
-            out[name] = (ranks, [dataclasses.replace(w, a=next(copies), b=next(copies), scale=1.0,
-                                                     bias=next(copies) if w.bias is not None else None)
-                                 for w in writes])
-        return out, block
+    def _write_image(self, slab: torch.Tensor, modules: dict[str, tuple[torch.Tensor, list[SliceWrite]]]
+                     ) -> torch.Tensor:
+        """Lay the adapter out in slab as one slot image (zeros past its ranks); returns the ranks view.
+
+        One allocation per adapter, not one per tensor: pinning or sharing is a driver or kernel call
+        that costs far more than the copy for small tensors (an 8B adapter has some 450 of them).
+        """
+        slab.zero_()
+        ranks, regions = self.layout.image_views(slab)
+        for name, (module_ranks, writes) in modules.items():
+            ranks[self.layout.index(name), :len(module_ranks)] = module_ranks
+            a_all, b_all, bias_all = regions[name]
+            for w in writes:
+                if w.a.numel():
+                    dst = a_all[:, :w.a.shape[1]] if self.dims[name].is_embedding else a_all[w.index, :w.a.shape[0]]
+                    dst.copy_(w.a)
+                rows = slice(w.b_offset, w.b_offset + w.b.shape[0])
+                _scaled_copy(b_all[rows, :w.b.shape[1]], w.b, w.scale)
+                if w.bias is not None and bias_all is not None:
+                    _scaled_copy(bias_all[rows], w.bias, w.scale)
+        return ranks
 
     def _check_layer(self, where: str, name: str, layer: LoRALayerWeights, spec: LoRAModuleSpec,
                      index: int) -> None:
@@ -218,9 +187,17 @@ class AdapterPreparer:
                     a = a[:, :max(0, min(dims.rank_a, layer.rank - self.tp_rank * dims.rank_a))]
                 b = shard_lora_b(layer.lora_b, **cut, fully_sharded=fs)
                 bias = shard_lora_bias(layer.bias, **cut, fully_sharded=fs)
-                # The scaling is folded in by _to_host's copy: one pass over B, not two.
+                # The scaling is folded in by _write_image's copy: one pass over B, not two.
                 writes.append(SliceWrite(index, a if dims.is_embedding else a.t(), b.t(), offset, bias,
                                           layer.scaling))
                 ranks[index] = local_rank(layer.rank, **cut, max_rank=self.config.max_lora_rank, fully_sharded=fs)
             offset += dims.out_slices[index]
-        return torch.tensor(ranks, dtype=torch.int32), writes  # host copies: _to_host
+        return torch.tensor(ranks, dtype=torch.int32), writes  # laid out in the slab by _write_image
+
+
+def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+    # As LoRALayerWeights.optimize: the product in the source dtype, rounded once into the slot's.
+    if scale == 1.0:
+        dst.copy_(src)
+    else:
+        torch.mul(src, scale, out=dst)

@@ -4,14 +4,18 @@ Two tiers. The host tier (HostLRUCache, ``max_cpu_loras`` entries) holds each
 registered adapter already prepared for this rank's slots by
 host_adapter.AdapterPreparer (scaling folded into B, grouped per packed
 layer, cut for this TP rank, slot layout and dtype; on CUDA in pinned
-memory), so activating it is a handful of non-blocking copies. The GPU
-tier is one LoRASlotBuffers per LoRA-able layer with ``max_loras`` slots,
-allocated once here so serving never allocates.
+memory, from a PinnedSlabPool when one is configured). The GPU tier is one
+device tensor of ``max_loras`` slots laid out as those host images
+(slot_layout.SlotLayout), seen by each LoRA-able layer as a LoRASlotBuffers
+of strided views, allocated once here so serving never allocates; activating
+an adapter is one non-blocking copy of its image plus one of its ranks.
 
 Mixed ranks: every slot is sized for max_lora_rank and a smaller adapter is
-zero-padded. Memory: each slot takes max_lora_rank rows whatever the
-adapter's rank. Bandwidth: none past the real rank, because ``ranks[s, slot]``
-holds it and the kernels mask their loads by it. Time is another matter: the
+zero-padded. Memory: each slot, and each host image, takes max_lora_rank rows
+whatever the adapter's rank, and an activation copies them all (a rank-16
+adapter in rank-64 slots moves 4x its bytes to the GPU). Kernel bandwidth:
+none past the real rank, because ``ranks[s, slot]`` holds it and the kernels
+mask their loads by it. Time is another matter: the
 kernels' rank tile is sized for max_lora_rank, so small decode batches of
 low-rank adapters in wide slots still run slower (bench/RESULTS.md measures it).
 
@@ -34,10 +38,9 @@ from lora_core.host_adapter import AdapterPreparer, HostAdapter
 from lora_core.host_cache import HostLRUCache
 from lora_core.lora_model import LoRAModel
 from lora_core.mapping import LoRAMapping
-from lora_core.module_spec import LoRAKind, LoRAModuleSpec
+from lora_core.module_spec import LoRAModuleSpec
 from lora_core.pinned_pool import PinnedSlabPool
 from lora_core.slot_buffers import LoRASlotBuffers
-from lora_core.tp import LocalDims
 
 
 class LoRAModelManager:
@@ -57,7 +60,17 @@ class LoRAModelManager:
             self.specs[spec.name] = spec
         self.preparer = AdapterPreparer(self.specs, lora_config, self.dtype, tp_rank, tp_size)
         self._dims = self.preparer.dims
-        self._buffers = {name: self._allocate(spec, self._dims[name]) for name, spec in self.specs.items()}
+        self.layout = self.preparer.layout
+        # Every module's slots in one tensor, laid out as the host images (slot_layout.py); ranks apart.
+        self._arena = torch.zeros(lora_config.max_loras, self.layout.slot_bytes, dtype=torch.uint8,
+                                  device=self.device)
+        self._ranks = torch.zeros(len(self.layout.names), self.layout.max_slices, lora_config.max_loras,
+                                  dtype=torch.int32, device=self.device)
+        views = self.layout.slot_views(self._arena)
+        self._buffers = {name: LoRASlotBuffers(spec=spec, lora_a=views[name][0], lora_b=views[name][1],
+                                               ranks=self._ranks[i, :len(self._dims[name].out_slices)],
+                                               output_slices=self._dims[name].out_slices, bias=views[name][2])
+                         for i, (name, spec) in enumerate(self.specs.items())}
         self._pin_host = self.device.type == "cuda" and torch.cuda.is_available()
         self.host_pool = PinnedSlabPool(self.preparer.max_slab_bytes(), host_pool_blocks, self._pin_host) \
             if host_pool_blocks > 0 else None
@@ -66,18 +79,6 @@ class LoRAModelManager:
         self._running: frozenset[int] = frozenset()
         self._host: HostLRUCache[int, HostAdapter] = HostLRUCache(
             lora_config.max_cpu_loras, can_evict=lambda i: i not in self._running, on_evict=self._on_host_evict)
-
-    def _allocate(self, spec: LoRAModuleSpec, dims: LocalDims) -> LoRASlotBuffers:
-        n = self.config.max_loras
-        bias = None
-        if self.config.bias_enabled and spec.kind is not LoRAKind.EMBEDDING:
-            bias = torch.zeros(n, dims.out_features, dtype=self.dtype, device=self.device)
-        return LoRASlotBuffers(
-            spec=spec,
-            lora_a=torch.zeros(dims.lora_a_shape(n), dtype=self.dtype, device=self.device),
-            lora_b=torch.zeros(dims.lora_b_shape(n), dtype=self.dtype, device=self.device),
-            ranks=torch.zeros(len(dims.out_slices), n, dtype=torch.int32, device=self.device),
-            output_slices=dims.out_slices, bias=bias)
 
     # ---- queries -----------------------------------------------------------------
 
@@ -237,30 +238,14 @@ class LoRAModelManager:
         """Free the slot; a zero rank makes kernels skip it until the next write zeroes its weights."""
         slot = self._active.pop(lora_id)
         self._slots[slot] = None
-        for buf in self._buffers.values():
-            buf.ranks[:, slot] = 0
+        self._ranks[:, :, slot] = 0
         return slot
 
     def _write(self, slot: int, adapter: HostAdapter, stream: "torch.cuda.Stream | None") -> None:
+        """Two copies: the adapter's slot image (zeros past its ranks included), then its ranks, which
+        make the kernels read the slot."""
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for name, buf in self._buffers.items():
-                buf.lora_a[:, slot].zero_()  # no stale rows of a previous, larger-rank occupant
-                buf.lora_b[slot].zero_()
-                if buf.bias is not None:
-                    buf.bias[slot].zero_()
-                if name not in adapter.modules:
-                    buf.ranks[:, slot] = 0
-                    continue
-                ranks, writes = adapter.modules[name]
-                for w in writes:
-                    if w.a.numel():
-                        dst = buf.lora_a[0, slot, :, :w.a.shape[1]] if self._dims[name].is_embedding \
-                            else buf.lora_a[w.index, slot, :w.a.shape[0]]
-                        dst.copy_(w.a, non_blocking=True)
-                    rows = slice(w.b_offset, w.b_offset + w.b.shape[0])
-                    buf.lora_b[slot, rows, :w.b.shape[1]].copy_(w.b, non_blocking=True)
-                    if w.bias is not None and buf.bias is not None:
-                        buf.bias[slot, rows].copy_(w.bias, non_blocking=True)
-                buf.ranks[:, slot].copy_(ranks, non_blocking=True)
+            self._arena[slot].copy_(adapter.slab, non_blocking=True)
+            self._ranks[:, :, slot].copy_(adapter.ranks, non_blocking=True)
             if adapter.block is not None and self._pin_host:
                 adapter.block.record()  # the pool hands the block out again only after these copies

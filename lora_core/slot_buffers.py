@@ -1,7 +1,9 @@
 """LoRASlotBuffers: the stacked GPU buffers of one LoRA-able layer.
 
-Allocated once by LoRAModelManager, written slot by slot, read by every
-PunicaWrapper op. Shapes are local to this tensor-parallel rank:
+Allocated once by LoRAModelManager as strided views of one device tensor
+holding every module's slots (slot_layout.SlotLayout: the slot stride is a
+whole slot of all modules), written slot by slot, read by every PunicaWrapper
+op through their strides. Shapes are local to this tensor-parallel rank:
 
     lora_a  [S, L, R_a, in]   per output slice S, per slot L; rows past the
                               adapter's rank are zero (and never read: see ranks)

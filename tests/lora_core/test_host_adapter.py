@@ -11,20 +11,31 @@ from tests.lora_core.test_model_manager import make_lora, manager
 
 
 @pytest.mark.parametrize("memory", ["plain", "shared"])
-def test_every_tensor_views_one_slab_and_copy_keeps_them(memory):
-    preparer = manager(bias=True).preparer
-    adapter = preparer.prepare(make_lora(3, 8, bias=True), memory)
-    tensors = adapter.tensors()
-    storages = {t.untyped_storage().data_ptr() for t in tensors}
-    assert len(storages) == 1 and all(t.is_contiguous() for t in tensors)
-    assert all(t.is_shared() for t in tensors) == (memory == "shared")
+def test_an_adapter_is_one_slot_image_and_copy_keeps_it(memory):
+    m = manager(bias=True)
+    adapter = m.preparer.prepare(make_lora(3, 8, bias=True), memory)
+    assert adapter.slab.dtype == torch.uint8 and adapter.slab.numel() == m.layout.slot_bytes
+    assert adapter.slab.is_shared() == (memory == "shared")
+    assert adapter.ranks.untyped_storage().data_ptr() == adapter.slab.untyped_storage().data_ptr()
+    qkv = m.layout.index("model.layers.0.self_attn.qkv_proj")
+    assert adapter.ranks[qkv].tolist() == [8, 8, 8]
     moved = adapter.copy(pin_memory=False)
-    new = moved.tensors()
-    assert len({t.untyped_storage().data_ptr() for t in new}) == 1 and storages.isdisjoint(
-        {t.untyped_storage().data_ptr() for t in new})
-    assert [(t.dtype, t.shape) for t in new] == [(t.dtype, t.shape) for t in tensors]
-    assert all(torch.equal(a, b) for a, b in zip(new, tensors))
-    assert moved.id == 3 and moved.modules.keys() == adapter.modules.keys()
+    assert moved.slab.data_ptr() != adapter.slab.data_ptr() and torch.equal(moved.slab, adapter.slab)
+    assert moved.ranks.untyped_storage().data_ptr() == moved.slab.untyped_storage().data_ptr()
+    assert torch.equal(moved.ranks, adapter.ranks) and moved.id == 3 and moved.rank == 8
+    # The image is what a slot holds: activating it writes exactly these bytes.
+    m.add_prepared(moved)
+    slot = m.activate_adapter(3)
+    assert torch.equal(m._arena[slot], adapter.slab)
+
+
+def test_the_image_is_zero_past_each_rank():
+    m = manager()
+    ranks, regions = m.layout.image_views(m.preparer.prepare(make_lora(4, 4, skip=("k_proj",))).slab)
+    a, b, _ = regions["model.layers.0.self_attn.qkv_proj"]
+    assert a[0, :4].abs().sum() > 0 and a[0, 4:].abs().sum() == 0 and a[1].abs().sum() == 0  # k_proj: none
+    assert b[:, 4:].abs().sum() == 0
+    assert ranks[m.layout.index("model.layers.0.self_attn.qkv_proj")].tolist() == [4, 0, 4]
 
 
 def test_prepared_adapter_equals_the_managers_and_the_preparer_pickles():

@@ -1,0 +1,93 @@
+"""SlotLayout: where every LoRA-able module's A, B and bias sit inside one slot's bytes.
+
+The GPU slots of all modules live in ONE device tensor [max_loras, slot_bytes], and a host-tier
+adapter is ONE image of a slot in that same layout (zero past each module's rank), so activating an
+adapter is a single host-to-device copy of its image, plus its ranks. Before, it was one copy per
+tensor and one zero_ per buffer, about a thousand torch calls: 20-40 ms of the engine thread per
+activation for an 8B adapter (bench/RESULTS.md, sixth session).
+
+The per-module tensors that LoRASlotBuffers and the kernels see are strided views of that tensor,
+with the shapes slot_buffers.py documents; only their slot stride is the whole slot (slot_bytes).
+
+A slot image starts with its ranks, int32 [num_modules, max_slices] in layout order, then each
+module's regions, every one 64-byte aligned:
+    A     [S, R_a, in]   (an embedding: [vocab, R])
+    B     [out, R_b]
+    bias  [out]          (only with bias_enabled; never for an embedding)
+The device keeps the ranks apart, in ``ranks`` [num_modules, max_slices, max_loras], because the
+kernels read ranks[s, slot] with a slot stride of one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lora_core.tp import LocalDims
+
+_ALIGN = 64
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class SlotLayout:
+    def __init__(self, dims: dict[str, LocalDims], dtype: torch.dtype, bias_enabled: bool) -> None:
+        self.names = list(dims)
+        self.dims = dims
+        self.dtype = dtype
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.max_slices = max((len(d.out_slices) for d in dims.values()), default=1)
+        offset = _aligned(4 * len(self.names) * self.max_slices)  # the ranks header
+        self._regions: dict[str, tuple[int, int, int | None]] = {}  # name -> byte offsets of A, B, bias
+        for name, d in dims.items():
+            a = offset
+            b = _aligned(a + math.prod(d.lora_a_shape(1)) * self.esize)
+            end = _aligned(b + math.prod(d.lora_b_shape(1)) * self.esize)
+            bias = None
+            if bias_enabled and not d.is_embedding:
+                bias, end = end, _aligned(end + d.out_features * self.esize)
+            self._regions[name] = (a, b, bias)
+            offset = end
+        self.slot_bytes = offset
+
+    def index(self, name: str) -> int:
+        return self.names.index(name)
+
+    def slot_views(self, arena: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """arena: uint8 [num_slots, slot_bytes] -> name -> (lora_a, lora_b, bias) as LoRASlotBuffers holds them."""
+        if arena.dim() != 2 or arena.shape[1] != self.slot_bytes or arena.dtype != torch.uint8:
+            raise ValueError(f"expected a uint8 arena [slots, {self.slot_bytes}], got {arena.dtype} "
+                             f"{tuple(arena.shape)}")
+        typed = arena.view(self.dtype)
+        slots, stride = arena.shape[0], self.slot_bytes // self.esize
+        out = {}
+        for name, (a, b, bias) in self._regions.items():
+            d = self.dims[name]
+            if d.is_embedding:
+                a_size, a_stride = (1, slots, d.in_features, d.rank_a), (d.in_features * d.rank_a, stride, d.rank_a, 1)
+            else:
+                n = len(d.out_slices)
+                a_size = (n, slots, d.rank_a, d.in_features)
+                a_stride = (d.rank_a * d.in_features, stride, d.in_features, 1)
+            out[name] = (self._view(typed, a_size, a_stride, a),
+                         self._view(typed, (slots, d.out_features, d.rank_b), (stride, d.rank_b, 1), b),
+                         None if bias is None else self._view(typed, (slots, d.out_features), (stride, 1), bias))
+        return out
+
+    def image_views(self, slab: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
+        """slab: uint8 [slot_bytes], one slot's image -> (ranks [modules, max_slices] int32,
+        name -> (A, B, bias) without the slot axis: A [S, R_a, in] or [vocab, R], B [out, R_b], bias [out])."""
+        views = self.slot_views(slab.view(1, -1))
+        regions = {name: (a[0, 0] if self.dims[name].is_embedding else a[:, 0], b[0], None if bias is None else bias[0])
+                   for name, (a, b, bias) in views.items()}
+        return self.image_ranks(slab), regions
+
+    def image_ranks(self, slab: torch.Tensor) -> torch.Tensor:
+        return slab[:4 * len(self.names) * self.max_slices].view(torch.int32).view(len(self.names), self.max_slices)
+
+    def _view(self, typed: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...], byte_offset: int
+              ) -> torch.Tensor:
+        return typed.as_strided(size, stride, typed.storage_offset() + byte_offset // self.esize)
