@@ -27,6 +27,7 @@ before it changes anything, so a failure leaves slots and LRU order intact.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
 from typing import Iterable
 
@@ -42,13 +43,17 @@ from lora_core.module_spec import LoRAModuleSpec
 from lora_core.pinned_pool import PinnedSlabPool
 from lora_core.slot_buffers import LoRASlotBuffers
 
+_log = logging.getLogger(__name__)
+
 
 class LoRAModelManager:
     def __init__(self, specs: list[LoRAModuleSpec], lora_config: LoRAConfig, device: torch.device | str,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, host_pool_blocks: int = 0) -> None:
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, host_pool_blocks: int = 0,
+                 host_pool_max_bytes: int | None = None) -> None:
         """host_pool_blocks > 0: host-tier slabs come from a PinnedSlabPool of that many blocks, pinned
         here (on CUDA) so that serving never pins memory: max_cpu_loras plus the loads that can be in
-        flight at once. 0: each adapter pins its own slab as it arrives."""
+        flight at once. 0: each adapter pins its own slab as it arrives. host_pool_max_bytes caps the
+        pool (fewer blocks; adapters past them pin their own slabs)."""
         self.config = lora_config
         self.device = torch.device(device)
         self.dtype = lora_config.slot_dtype(dtype)
@@ -72,8 +77,16 @@ class LoRAModelManager:
                                                output_slices=self._dims[name].out_slices, bias=views[name][2])
                          for i, (name, spec) in enumerate(self.specs.items())}
         self._pin_host = self.device.type == "cuda" and torch.cuda.is_available()
-        self.host_pool = PinnedSlabPool(self.preparer.max_slab_bytes(), host_pool_blocks, self._pin_host) \
-            if host_pool_blocks > 0 else None
+        self.host_pool: PinnedSlabPool | None = None
+        blocks = host_pool_blocks
+        if host_pool_max_bytes is not None:
+            blocks = min(blocks, host_pool_max_bytes // self.layout.slot_bytes)
+            if blocks < host_pool_blocks:
+                _log.warning("adapter host pool capped at %d of %d blocks (%.1f GiB of %.1f MiB each); adapters "
+                             "past them pin their own memory", blocks, host_pool_blocks,
+                             blocks * self.layout.slot_bytes / 2**30, self.layout.slot_bytes / 2**20)
+        if blocks > 0:
+            self.host_pool = PinnedSlabPool(self.layout.slot_bytes, blocks, self._pin_host)
         self._slots: list[int | None] = [None] * lora_config.max_loras
         self._active: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
         self._running: frozenset[int] = frozenset()

@@ -9,6 +9,7 @@ ranks after the LM head's all-gather).
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -110,7 +111,8 @@ class ModelRunner:
         blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(cfg.lora_load_processes) + 1
         self.lora_manager = LoRAModelManager(specs, cfg.lora_config, self.device, self.model_config.dtype,
                                              self.ctx.tp_rank, self.ctx.tp_size,
-                                             host_pool_blocks=blocks if cfg.lora_host_pool else 0)
+                                             host_pool_blocks=blocks if cfg.lora_host_pool else 0,
+                                             host_pool_max_bytes=_host_pool_budget(self.ctx.tp_size))
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs)
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)
@@ -390,3 +392,13 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = torch.tensor(step.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
+
+
+def _host_pool_budget(tp_size: int) -> int | None:
+    """Pinned memory is memory the OS can never page out: each TP rank's adapter pool (its processes
+    share the host) may take a quarter of the host's memory over the ranks."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return total // 4 // tp_size

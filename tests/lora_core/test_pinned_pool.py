@@ -110,3 +110,20 @@ def test_a_block_is_not_reused_while_a_copy_reads_it():
     again.tensor.fill_(1)
     torch.cuda.synchronize()
     assert int(dst.min()) == 7 == int(dst.max())
+
+
+def test_a_byte_cap_shrinks_the_pool_and_the_rest_pins_its_own(caplog):
+    cfg = LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, max_cpu_loras=3)
+    probe = LoRAModelManager(SPECS, cfg, "cpu", torch.float32)
+    slot = probe.layout.slot_bytes
+    with caplog.at_level("WARNING"):
+        m = LoRAModelManager(SPECS, cfg, "cpu", torch.float32, host_pool_blocks=4, host_pool_max_bytes=2 * slot + 1)
+    assert m.host_pool.num_blocks == 2 and "capped at 2 of 4 blocks" in caplog.text
+    loras = [make_lora(i, 8) for i in (1, 2, 3)]
+    for lora in loras:
+        m.add_adapter(lora)
+    assert m.host_pool.fallbacks == 1
+    for lora in loras[1:]:
+        assert_slot_holds(m, m.activate_adapter(lora.id), lora)
+    assert LoRAModelManager(SPECS, cfg, "cpu", torch.float32, host_pool_blocks=4,
+                            host_pool_max_bytes=slot - 1).host_pool is None
