@@ -15,6 +15,7 @@ and the caller pins a slab of its own, as before the pool: slower, never wrong.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -88,6 +89,14 @@ class PinnedSlabPool:
     def adopt(self, owner: object, block: PinnedBlock) -> None:
         """Release ``block`` when ``owner`` (the HostAdapter whose tensors view it) is collected."""
         weakref.finalize(owner, self.release, block)
+
+
+def physical_memory_bytes() -> int | None:
+    """The host's physical memory, or None where the OS does not say (to size a pool against it)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _register(region: torch.Tensor) -> None:

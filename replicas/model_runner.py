@@ -9,7 +9,6 @@ ranks after the LM head's all-gather).
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +17,7 @@ from lora_core.config import LoRAConfig
 from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.model_manager import LoRAModelManager
+from lora_core.pinned_pool import physical_memory_bytes
 from lora_core.punica import PunicaWrapper
 from lora_core.request import LoRARequest
 import torch.distributed as dist
@@ -109,10 +109,12 @@ class ModelRunner:
         specs = lora_module_specs(self.model)
         # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
         blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(cfg.lora_load_processes) + 1
+        # Pinned memory is never paged out: the TP ranks' pools (one host) take at most a quarter of it.
+        host = physical_memory_bytes()
         self.lora_manager = LoRAModelManager(specs, cfg.lora_config, self.device, self.model_config.dtype,
                                              self.ctx.tp_rank, self.ctx.tp_size,
                                              host_pool_blocks=blocks if cfg.lora_host_pool else 0,
-                                             host_pool_max_bytes=_host_pool_budget(self.ctx.tp_size))
+                                             host_pool_max_bytes=host // 4 // self.ctx.tp_size if host else None)
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs)
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)
@@ -392,13 +394,3 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = torch.tensor(step.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
-
-
-def _host_pool_budget(tp_size: int) -> int | None:
-    """Pinned memory is memory the OS can never page out: each TP rank's adapter pool (its processes
-    share the host) may take a quarter of the host's memory over the ranks."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    return total // 4 // tp_size

@@ -127,3 +127,10 @@ def test_a_byte_cap_shrinks_the_pool_and_the_rest_pins_its_own(caplog):
         assert_slot_holds(m, m.activate_adapter(lora.id), lora)
     assert LoRAModelManager(SPECS, cfg, "cpu", torch.float32, host_pool_blocks=4,
                             host_pool_max_bytes=slot - 1).host_pool is None
+
+
+def test_physical_memory_is_known_here():
+    from lora_core.pinned_pool import physical_memory_bytes
+
+    total = physical_memory_bytes()
+    assert total is not None and total > 2**30  # CI and GPU hosts alike have more than 1 GiB
