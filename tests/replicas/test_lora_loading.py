@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from lora_core.request import LoRARequest
 from replicas.errors import InvalidRequestError
@@ -192,6 +193,28 @@ def test_loads_in_worker_processes_serve_the_same_and_fail_alike(demo, loras, tm
         assert out.outputs[0].finish_reason == "error"
     finally:
         llm.shutdown()
+
+
+def test_an_adapter_from_a_process_is_adopted_whole(demo, loras):
+    """On a GPU the engine copies a worker's shared-memory adapter into its pinned pool (adopt_shared):
+    the copy must carry the slab and its ranks header intact, as if prepared in this process."""
+    from replicas.lora_load_process import ProcessAdapterLoader
+
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu")
+    manager = llm.engine.executor.runner.lora_manager
+    loads = llm.engine.executor.runner.loads
+    request = loras[sorted(loras)[1]]
+    procs = ProcessAdapterLoader(1, manager.preparer, loads.expected, loads.lora_config, loads.specs,
+                                 adopt=manager.adopt_shared)
+    try:
+        rank, adopted = procs.load(request)
+    finally:
+        procs.shutdown()
+    want = manager.prepare_adapter(loads.load(request))
+    assert adopted.block is not None and not adopted.slab.is_shared()
+    assert rank == want.rank and torch.equal(adopted.slab, want.slab) and torch.equal(adopted.ranks, want.ranks)
+    assert adopted.ranks.untyped_storage().data_ptr() == adopted.slab.untyped_storage().data_ptr()
+    assert int(adopted.ranks.max()) > 0  # a real header, not zeros
 
 
 def test_every_load_process_gets_a_load_in_flight(monkeypatch):
