@@ -56,9 +56,6 @@ class HostAdapter:
     # The pool block the slab views (PinnedSlabPool), released when this adapter is collected.
     block: PinnedBlock | None = dataclasses.field(default=None, repr=False, compare=False)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.slab]
-
     def copy(self, pin_memory: bool = True, pool: PinnedSlabPool | None = None) -> "HostAdapter":
         """The same adapter in a new slab, by one copy: a block of ``pool`` when it has one free, else
         its own allocation (pinned by default)."""

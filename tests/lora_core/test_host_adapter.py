@@ -41,10 +41,10 @@ def test_the_image_is_zero_past_each_rank():
 def test_prepared_adapter_equals_the_managers_and_the_preparer_pickles():
     m = manager()
     lora = make_lora(5, 16)
-    want = m.prepare_adapter(lora).tensors()
+    want = m.prepare_adapter(lora)
     preparer = pickle.loads(pickle.dumps(m.preparer))  # a loader process gets a copy like this
-    got = preparer.prepare(lora).tensors()
-    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    got = preparer.prepare(lora)
+    assert torch.equal(got.slab, want.slab) and torch.equal(got.ranks, want.ranks)
     with pytest.raises(ValueError, match="memory must be one of"):
         preparer.prepare(lora, "gpu")
 
@@ -53,5 +53,5 @@ def test_prepared_adapter_equals_the_managers_and_the_preparer_pickles():
 def test_copy_pins_a_shared_adapter():
     adapter = manager().preparer.prepare(make_lora(7, 8), "shared")
     pinned = adapter.copy()
-    assert all(t.is_pinned() for t in pinned.tensors())
-    assert all(torch.equal(a, b) for a, b in zip(pinned.tensors(), adapter.tensors()))
+    assert pinned.slab.is_pinned() and torch.equal(pinned.slab, adapter.slab)
+    assert torch.equal(pinned.ranks, adapter.ranks)
