@@ -25,7 +25,8 @@ adapters in those steps; loads = adapter loads from disk. Physics: base's
 bound = weights + KV read per decode step, extra = its decode step; LoRA rows'
 bound = #ad x bytes per adapter, extra = decode step minus base's; both over
 the device-to-device copy bandwidth measured in this run (read + write
-bytes). x bnd = extra / bound. Prints rows as they finish and a table last;
+bytes). x bnd = extra / bound. Prints rows as they finish, a table last, then
+where each row's wall time went (lines starting "time");
 CSV to $OUT (or bench/out), rewritten after every row.
 
     python bench/engine.py                                     # everything (> 10 min on one GPU)
