@@ -73,9 +73,10 @@ class LoRAModelManager:
                                   dtype=torch.int32, device=self.device)
         views = self.layout.slot_views(self._arena)
         self._buffers = {name: LoRASlotBuffers(spec=spec, lora_a=views[name][0], lora_b=views[name][1],
-                                               ranks=self._ranks[i, :len(self._dims[name].out_slices)],
+                                               ranks=self._ranks[self.layout.index(name),
+                                                                 :len(self._dims[name].out_slices)],
                                                output_slices=self._dims[name].out_slices, bias=views[name][2])
-                         for i, (name, spec) in enumerate(self.specs.items())}
+                         for name, spec in self.specs.items()}
         self._pin_host = self.device.type == "cuda" and torch.cuda.is_available()
         self.host_pool: PinnedSlabPool | None = None
         blocks = host_pool_blocks
@@ -248,7 +249,7 @@ class LoRAModelManager:
         return [i for i in self._active if not self._host.is_pinned(i) and i not in running and i not in exclude]
 
     def _release(self, lora_id: int) -> int:
-        """Free the slot; a zero rank makes kernels skip it until the next write zeroes its weights."""
+        """Free the slot; zero ranks make kernels skip it until the next write overwrites its image."""
         slot = self._active.pop(lora_id)
         self._slots[slot] = None
         self._ranks[:, :, slot] = 0

@@ -32,11 +32,10 @@ class PinnedBlock:
         self.tensor = tensor
         self.event: torch.cuda.Event | None = None
 
-    def record(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Mark the copies enqueued so far on ``stream`` (default: the current one) as reading this block."""
-        event = torch.cuda.Event()
-        event.record(stream)
-        self.event = event
+    def record(self) -> None:
+        """Mark the copies enqueued so far on the current stream as reading this block."""
+        self.event = torch.cuda.Event()
+        self.event.record()
 
 
 class PinnedSlabPool:
@@ -45,7 +44,6 @@ class PinnedSlabPool:
             raise ValueError(f"a pool needs blocks of > 0 bytes and > 0 blocks, got {block_bytes} x {num_blocks}")
         self.block_bytes = -(-block_bytes // 64) * 64  # every block starts 64-byte aligned, as a slab does
         self.num_blocks = num_blocks
-        self.pinned = pin
         # Pageable memory registered with the driver, not torch's pinned allocator: that one rounds
         # every allocation up to a power of two (up to 2x the memory for one large region).
         self._region = torch.empty(self.block_bytes * num_blocks, dtype=torch.uint8)

@@ -36,6 +36,7 @@ def _aligned(nbytes: int) -> int:
 class SlotLayout:
     def __init__(self, dims: dict[str, LocalDims], dtype: torch.dtype, bias_enabled: bool) -> None:
         self.names = list(dims)
+        self._index = {name: i for i, name in enumerate(self.names)}
         self.dims = dims
         self.dtype = dtype
         self.esize = torch.empty((), dtype=dtype).element_size()
@@ -54,7 +55,8 @@ class SlotLayout:
         self.slot_bytes = offset
 
     def index(self, name: str) -> int:
-        return self.names.index(name)
+        """The module's row in the ranks header and in LoRAModelManager's ranks tensor."""
+        return self._index[name]
 
     def slot_views(self, arena: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """arena: uint8 [num_slots, slot_bytes] -> name -> (lora_a, lora_b, bias) as LoRASlotBuffers holds them."""
@@ -83,10 +85,8 @@ class SlotLayout:
         views = self.slot_views(slab.view(1, -1))
         regions = {name: (a[0, 0] if self.dims[name].is_embedding else a[:, 0], b[0], None if bias is None else bias[0])
                    for name, (a, b, bias) in views.items()}
-        return self.image_ranks(slab), regions
-
-    def image_ranks(self, slab: torch.Tensor) -> torch.Tensor:
-        return slab[:4 * len(self.names) * self.max_slices].view(torch.int32).view(len(self.names), self.max_slices)
+        ranks = slab[:4 * len(self.names) * self.max_slices].view(torch.int32).view(len(self.names), self.max_slices)
+        return ranks, regions
 
     def _view(self, typed: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...], byte_offset: int
               ) -> torch.Tensor:
