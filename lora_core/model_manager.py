@@ -115,6 +115,11 @@ class LoRAModelManager:
     def is_pinned(self, lora_id: int) -> bool:
         return self._host.is_pinned(lora_id)
 
+    def host_ranks(self, lora_id: int) -> torch.Tensor:
+        """A registered adapter's ranks, read on the host: int32 [modules (layout.index order), max_slices]."""
+        self._require(lora_id)
+        return self._host.peek(lora_id).ranks
+
     def buffers(self, module_name: str) -> LoRASlotBuffers:
         if module_name not in self._buffers:
             raise KeyError(f"no LoRA-able module named {module_name!r}")

@@ -47,10 +47,18 @@ class EngineArgs:
     # them to the others). On CPU the model runs synchronously, so it only delays outputs by a step
     # (tests force it on).
     async_scheduling: bool | None = None
+    # Opt-in: after this many consecutive steps in which every row uses one adapter, that adapter runs merged
+    # into the base weights until a step needs another (replicas/lora_merge.py). Keeps a copy of the base
+    # linear weights on the device (about the model's size again). 0: never merge.
+    lora_merge_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
+        if self.lora_merge_steps < 0:
+            raise ValueError(f"lora_merge_steps must be >= 0 (0: never merge), got {self.lora_merge_steps}")
+        if self.lora_merge_steps and not self.enable_lora:
+            raise ValueError("lora_merge_steps merges adapters: it needs enable_lora=True")
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

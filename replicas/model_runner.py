@@ -25,11 +25,13 @@ import torch.distributed as dist
 from replicas.adapter_loads import AdapterLoads
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
-from replicas.lora_layers import add_lora, lora_module_specs
+from replicas.lora_layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA, add_lora, lora_module_specs
+from replicas.lora_merge import LoRAMerger
 from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
 from replicas.parallel import ParallelContext
 from replicas.piecewise_graphs import PiecewiseGraphs
+from replicas.warm_up import warm_up
 
 @dataclass
 class StepInput:
@@ -70,6 +72,7 @@ class RunnerConfig:
     piecewise_graphs: bool = True
     lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
     lora_host_pool: bool = True  # host-tier adapters in blocks pinned at start-up (lora_core/pinned_pool.py)
+    lora_merge_steps: int = 0  # > 0: one adapter alone for this many steps runs merged (replicas/lora_merge.py)
 
 
 class ModelRunner:
@@ -92,6 +95,7 @@ class ModelRunner:
         self.punica: PunicaWrapper | None = None
         self._lora_requests: dict[int, LoRARequest] = {}
         self.loads: AdapterLoads | None = None  # background adapter loads (start_lora_load)
+        self.merger: LoRAMerger | None = None
         if cfg.lora_config is not None:  # slots first, so the KV budget sees their memory as used
             self._setup_lora(cfg)
         self.num_blocks = self._num_kv_blocks()
@@ -118,6 +122,10 @@ class ModelRunner:
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs)
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)
+        if cfg.lora_merge_steps > 0:  # before the KV budget is sized: its copy of the base weights is used memory
+            linear = [m for m in self.model.modules()
+                      if isinstance(m, (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA))]
+            self.merger = LoRAMerger(linear, self.lora_manager, cfg.lora_merge_steps)
         self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, cfg.lora_load_processes,
                                   pin=self.device.type == "cuda")
 
@@ -204,6 +212,8 @@ class ModelRunner:
 
     def remove_lora(self, lora_id: int) -> bool:
         known = self._lora_requests.pop(lora_id, None) is not None
+        if self.merger is not None:  # the id may come back with other weights
+            self.merger.forget(lora_id)
         if self.lora_manager is not None and lora_id in self.lora_manager.list_adapters():
             # The engine removes only adapters no live request uses; the last step is over.
             self.lora_manager.set_running(())
@@ -213,6 +223,10 @@ class ModelRunner:
     def pin_lora(self, lora_id: int) -> bool:
         self._ensure_registered([lora_id])
         return self.lora_manager.pin_adapter(lora_id)
+
+    def lora_merge_state(self) -> tuple[int | None, int]:
+        """(the adapter merged into the weights now or None, merges so far); (None, 0) with merging off."""
+        return (self.merger.merged, self.merger.merges) if self.merger is not None else (None, 0)
 
     def list_loras(self) -> list[int]:
         return sorted(self._lora_requests)
@@ -271,62 +285,8 @@ class ModelRunner:
                                capture)
 
     def warm_up(self) -> int:
-        """Before traffic, on GPU (all TP ranks together): compile the kernels, capture the decode graphs.
-
-        Triton compiles a kernel for each new combination of its constexprs
-        (tile heights, attention query block) and of its integer arguments'
-        classes (1, a multiple of 16, other: a step's sequence count is one):
-        left to the first request that needs one, that costs a second or more in
-        the middle of serving. Synthetic prefill-shaped steps of 1, 3 and 16
-        sequences cover them. Returns the graph count.
-        """
-        if self.device.type != "cuda":
-            return 0
-        cfg = self.cfg
-        room = min(cfg.max_num_batched_tokens, self.num_blocks * cfg.block_size)
-        counts = (0, 1, min(self.cfg.lora_config.max_loras, 8)) if self.punica else (0,)
-        for tokens in sorted({min(t, room) for t in (16, 48, 200, 1500)}):
-            for seqs in (1, 3, 16):
-                fits = tokens + seqs * cfg.block_size <= self.num_blocks * cfg.block_size
-                if seqs <= min(tokens, cfg.max_num_seqs) and fits:
-                    for adapters in counts:
-                        self.synthetic_step(tokens, adapters, seqs)
-        torch.cuda.synchronize(self.device)
-        return self.capture_graphs()
-
-    @torch.inference_mode()
-    def synthetic_step(self, num_tokens: int, num_adapters: int, num_seqs: int = 1) -> torch.Tensor:
-        """One prefill step: num_tokens split over num_seqs sequences and num_adapters LoRA slots, in
-        blocks 0.. (call only while no sequence holds them: before traffic). Returns each sequence's
-        last-row logits [num_seqs, V]."""
-        bs = self.cfg.block_size
-        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        tables, first = [], 0
-        for n in lens:
-            tables.append(list(range(first, first + -(-n // bs))))
-            first += len(tables[-1])
-        if self.punica is not None:
-            self.punica.set_decode_layout(num_tokens, num_adapters, num_sampled=num_seqs)
-        meta = AttentionMetadata.build(lens, lens, tables, bs, self.device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        ids = torch.arange(num_tokens, device=self.device) % self.model_config.vocab_size
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-        last = torch.tensor(lens).cumsum(0).sub_(1).to(self.device)
-        return self.model.compute_logits(hidden.index_select(0, last)).float()
-
-    def capture_graphs(self) -> int:
-        """Capture every decode graph and piecewise graph before traffic (all TP ranks together); returns
-        how many. Decode graphs cover the sampled rows' LoRA layout too; pieces stop before the LM head."""
-        punica, count = self.punica, 0
-        with torch.inference_mode():
-            if self.decode_graphs is not None:
-                count += self.decode_graphs.capture_all(punica and punica.set_decode_layout,
-                                                        punica and punica.decode_layouts)
-            if self.piecewise is not None:
-                count += self.piecewise.capture_all(
-                    punica and (lambda rows, adapters: punica.set_decode_layout(rows, adapters, num_sampled=1)),
-                    punica and punica.token_layouts)
-        return count
+        """Compile the kernels and capture the graphs before traffic (replicas/warm_up.py); the graph count."""
+        return warm_up(self)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A decode step's model pass: every row is sampled."""
@@ -341,11 +301,38 @@ class ModelRunner:
             return None
         return self.decode_graphs.padded_size(n)
 
+    def _lora_rows(self, step: StepInput) -> tuple[list[int], list[int]]:
+        """Adapter ids of the step's token rows and sampled rows: all 0 while the one adapter they use runs
+        merged into the base weights (the merger decides, and merges or unmerges here)."""
+        tokens = step.token_lora_ids or [0] * len(step.input_ids)
+        sampled = step.sample_lora_ids or [0] * len(step.sample_rows)
+        merger = self.merger
+        if merger is None:
+            return tokens, sampled
+        target = merger.plan(tokens, sampled)
+        if target != merger.merged:
+            if merger.merged is not None:
+                merger.unmerge()
+            if target is not None:
+                self._merge(target)
+        if merger.merged is None:
+            return tokens, sampled
+        return [0] * len(tokens), [0] * len(sampled)
+
+    def _merge(self, lora_id: int) -> None:
+        """Merge the adapter from its GPU slot (activating it there first, in stream order)."""
+        stream = torch.cuda.current_stream(self.device) if self._side_stream is not None else None
+        if stream is not None:  # a prefetch may be writing its slot
+            stream.wait_stream(self._side_stream)
+        self._ensure_registered([lora_id])
+        self.merger.merge(lora_id, self.lora_manager.activate_adapter(lora_id))
+        if stream is not None:  # and no later prefetch may overwrite that slot before the merge has read it
+            self._side_stream.wait_stream(stream)
+
     def _set_lora_mapping(self, step: StepInput, pad: int, pad_sampled: int) -> None:
         """Slots of the step's token rows and sampled rows, each padded (no adapter) to a graph's size."""
-        mapping = LoRAMapping((step.token_lora_ids or [0] * len(step.input_ids)) + [0] * pad,
-                              (step.sample_lora_ids or [0] * len(step.sample_rows)) + [0] * pad_sampled,
-                              step.is_prefill)
+        tokens, sampled = self._lora_rows(step)
+        mapping = LoRAMapping(tokens + [0] * pad, sampled + [0] * pad_sampled, step.is_prefill)
         if self._side_stream is not None:  # prefetched slots must be written before this step reads them
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         self._ensure_registered(mapping.active_ids())

@@ -13,6 +13,7 @@ import torch
 from replicas.cuda_graphs import capture_sizes
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
+from replicas.warm_up import synthetic_step
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT", "Hello world, this is",
            "def add(a, b):", "Summary:", "Translate to French: the cat"]
@@ -111,7 +112,7 @@ def test_synthetic_warm_up_step_runs_every_layout(demo):
     llm = LLM(str(demo.model_dir), **_kwargs())
     runner = llm.engine.executor.runner
     for tokens, adapters, seqs in ((16, 0, 1), (48, 1, 1), (40, 4, 1), (40, 4, 3), (48, 1, 8)):
-        logits = runner.synthetic_step(tokens, adapters, seqs)
+        logits = synthetic_step(runner, tokens, adapters, seqs)
         assert logits.shape == (seqs, runner.model_config.vocab_size) and torch.isfinite(logits).all()
         assert runner.punica.token_meta.num_rows == tokens and runner.punica.sampler_meta.num_rows == seqs
 

@@ -1,0 +1,70 @@
+"""What running an adapter merged costs (replicas/lora_merge.py): one merge, one unmerge, the base weights' copy.
+
+Builds the engine benchmark's Llama-3-8B-shaped model (dummy bf16 weights) with
+lora_merge_steps on, registers one adapter of --rank, and times merging it into
+every linear weight and restoring them (CUDA events around each, median of
+--repeat). A switch pays off after about (merge + unmerge) / (LoRA decode extra
+per step) steps: bench/engine.py's one-r16 rows give the latter.
+
+    python bench/lora_merge.py [--rank 16] [--repeat 5] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.engine_workload import LLAMA3_8B, TINY, AdapterPools, write_model_dir  # noqa: E402
+from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
+
+
+def _ms(fn) -> float:
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="tiny model: runs on CPU in seconds")
+    a = p.parse_args()
+    shape = TINY if a.tiny else LLAMA3_8B
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    work = Path(tempfile.mkdtemp())
+    model_dir = write_model_dir(work / "model", shape)
+    lora = AdapterPools(work / "lora", shape, dtype, 1).pool("p", a.rank, 1)[0]
+    engine = LLMEngine(EngineArgs(model=str(model_dir), enable_lora=True, max_loras=4, max_lora_rank=a.rank,
+                                  num_kv_blocks=256, load_format="dummy", lora_merge_steps=1))
+    runner = engine.executor.runner
+    runner.add_lora(lora)
+    slot = runner.lora_manager.activate_adapter(lora.lora_int_id)
+    merger = runner.merger
+    merges, unmerges = [], []
+    for _ in range(a.repeat):
+        merges.append(_ms(lambda: merger.merge(lora.lora_int_id, slot)))
+        unmerges.append(_ms(merger.unmerge))
+    weights = sum(w.numel() * w.element_size() for w, _ in merger._layers)
+    print(f"rank {a.rank}: linear weights {weights / 2**30:.2f} GiB, their copy {merger.backup_bytes() / 2**30:.2f} GiB; "
+          f"merge {sorted(merges)[len(merges) // 2]:.2f} ms, unmerge {sorted(unmerges)[len(unmerges) // 2]:.2f} ms "
+          f"(median of {a.repeat})")
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Before traffic, on GPU: compile every kernel variant and capture the CUDA graphs of a ModelRunner.
+
+Functions over a runner (all TP ranks run them together), kept apart from the
+runner's step path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from replicas.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from replicas.model_runner import ModelRunner
+
+
+def warm_up(runner: "ModelRunner") -> int:
+    """Before traffic, on GPU (all TP ranks together): compile the kernels, capture the decode graphs.
+
+    Triton compiles a kernel for each new combination of its constexprs
+    (tile heights, attention query block) and of its integer arguments'
+    classes (1, a multiple of 16, other: a step's sequence count is one):
+    left to the first request that needs one, that costs a second or more in
+    the middle of serving. Synthetic prefill-shaped steps of 1, 3 and 16
+    sequences cover them. Returns the graph count.
+    """
+    if runner.device.type != "cuda":
+        return 0
+    cfg = runner.cfg
+    room = min(cfg.max_num_batched_tokens, runner.num_blocks * cfg.block_size)
+    counts = (0, 1, min(runner.cfg.lora_config.max_loras, 8)) if runner.punica else (0,)
+    for tokens in sorted({min(t, room) for t in (16, 48, 200, 1500)}):
+        for seqs in (1, 3, 16):
+            fits = tokens + seqs * cfg.block_size <= runner.num_blocks * cfg.block_size
+            if seqs <= min(tokens, cfg.max_num_seqs) and fits:
+                for adapters in counts:
+                    synthetic_step(runner, tokens, adapters, seqs)
+    torch.cuda.synchronize(runner.device)
+    return capture_graphs(runner)
+
+
+@torch.inference_mode()
+def synthetic_step(runner: "ModelRunner", num_tokens: int, num_adapters: int, num_seqs: int = 1) -> torch.Tensor:
+    """One prefill step: num_tokens split over num_seqs sequences and num_adapters LoRA slots, in
+    blocks 0.. (call only while no sequence holds them: before traffic). Returns each sequence's
+    last-row logits [num_seqs, V]."""
+    bs = runner.cfg.block_size
+    lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+    tables, first = [], 0
+    for n in lens:
+        tables.append(list(range(first, first + -(-n // bs))))
+        first += len(tables[-1])
+    if runner.punica is not None:
+        runner.punica.set_decode_layout(num_tokens, num_adapters, num_sampled=num_seqs)
+    meta = AttentionMetadata.build(lens, lens, tables, bs, runner.device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(runner.device)
+    ids = torch.arange(num_tokens, device=runner.device) % runner.model_config.vocab_size
+    hidden = runner.model(ids, positions, runner.kv_caches, meta)
+    last = torch.tensor(lens).cumsum(0).sub_(1).to(runner.device)
+    return runner.model.compute_logits(hidden.index_select(0, last)).float()
+
+
+def capture_graphs(runner: "ModelRunner") -> int:
+    """Capture every decode graph and piecewise graph before traffic (all TP ranks together); returns
+    how many. Decode graphs cover the sampled rows' LoRA layout too; pieces stop before the LM head."""
+    punica, count = runner.punica, 0
+    with torch.inference_mode():
+        if runner.decode_graphs is not None:
+            count += runner.decode_graphs.capture_all(punica and punica.set_decode_layout,
+                                                    punica and punica.decode_layouts)
+        if runner.piecewise is not None:
+            count += runner.piecewise.capture_all(
+                punica and (lambda rows, adapters: punica.set_decode_layout(rows, adapters, num_sampled=1)),
+                punica and punica.token_layouts)
+    return count
+

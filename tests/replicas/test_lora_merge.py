@@ -1,0 +1,147 @@
+"""Merged LoRA (EngineArgs.lora_merge_steps): steps whose rows all use one adapter run it merged into the base
+weights; outputs equal the LoRA path's, and the base weights come back exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_core.errors import LoRAConfigError
+from lora_core.request import LoRARequest
+from replicas.engine_args import EngineArgs
+from replicas.llm import LLM
+from replicas.sampling_params import SamplingParams
+from tests.replicas.engine_cases import PROMPTS
+
+STEPS = 10
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=1, ignore_eos=True)
+
+
+def _llm(demo, **kwargs) -> LLM:
+    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu") | kwargs
+    return LLM(str(demo.model_dir), **kwargs)
+
+
+def _runs(outputs) -> list[tuple[list[int], list[float]]]:
+    runs = []
+    for out in outputs:
+        assert out.error is None, out.error
+        c = out.outputs[0]
+        runs.append((c.token_ids, [step[t] for step, t in zip(c.logprobs, c.token_ids)]))
+    return runs
+
+
+def _assert_same(got, want, tol: float) -> None:
+    for (g_tokens, g_lps), (w_tokens, w_lps) in zip(got, want, strict=True):
+        assert g_tokens == w_tokens
+        assert max(abs(a - b) for a, b in zip(g_lps, w_lps)) <= tol
+
+
+def _state(llm: LLM):
+    return llm.engine.executor.call("lora_merge_state")
+
+
+def _weights_are_base(llm: LLM) -> bool:
+    merger = llm.engine.executor.runner.merger
+    return all(torch.equal(w, base) for (w, _), base in zip(merger._layers, merger._base))
+
+
+@pytest.fixture(scope="module")
+def reference(demo):
+    return _llm(demo)
+
+
+@pytest.fixture(scope="module")
+def merging(demo):
+    return _llm(demo, lora_merge_steps=2)
+
+
+def test_one_adapter_runs_merged_and_matches_the_lora_path(demo, loras, reference, merging):
+    """Each adapter alone (rsLoRA attention+MLP, rank 32, MLP only): merged after two steps, greedy tokens
+    equal and logprobs within float32 rounding; switching adapters unmerges the last one first."""
+    merges = _state(merging)[1]
+    for name in ("demo-chat", "demo-translate", "demo-summarize"):
+        lora = loras[name]
+        want = _runs(reference.generate(PROMPTS[:3], _params(), [lora] * 3))
+        got = _runs(merging.generate(PROMPTS[:3], _params(), [lora] * 3))
+        _assert_same(got, want, 1e-4)
+        merged, count = _state(merging)
+        assert merged == lora.lora_int_id and count == merges + 1
+        merges = count
+
+
+def test_a_step_with_other_rows_unmerges_and_the_base_weights_are_exact(loras, reference, merging):
+    """Base requests after a merged adapter: identical logprobs to an engine that never merged (the weights
+    are restored by copy, bit for bit). A mixed batch never merges."""
+    lora = loras["demo-sql"]
+    merging.generate(PROMPTS[:2], _params(), [lora] * 2)
+    assert _state(merging)[0] == lora.lora_int_id and not _weights_are_base(merging)
+    want = _runs(reference.generate(PROMPTS[:3], _params(), None))
+    got = _runs(merging.generate(PROMPTS[:3], _params(), None))
+    assert got == want
+    assert _state(merging)[0] is None and _weights_are_base(merging)
+    merges = _state(merging)[1]
+    mixed = [lora, None, loras["demo-chat"], lora]
+    _assert_same(_runs(merging.generate(PROMPTS[:4], _params(), mixed)),
+                 _runs(reference.generate(PROMPTS[:4], _params(), mixed)), 1e-4)
+    assert _state(merging) == (None, merges)
+
+
+def test_removed_adapter_is_unmerged_and_its_id_can_come_back(demo, loras, tmp_path, merging):
+    chat = loras["demo-chat"]
+    merging.generate(PROMPTS[:2], _params(), [chat] * 2)
+    assert _state(merging)[0] == chat.lora_int_id
+    merging.engine.remove_lora(chat.lora_name)
+    assert _state(merging)[0] is None and _weights_are_base(merging)
+    # the same id and name now name another adapter's weights
+    other = LoRARequest(chat.lora_name, chat.lora_int_id, str(demo.adapters["demo-translate"]))
+    translate = _llm(demo).generate(PROMPTS[:2], _params(), [loras["demo-translate"]] * 2)
+    _assert_same(_runs(merging.generate(PROMPTS[:2], _params(), [other] * 2)), _runs(translate), 1e-4)
+    merging.engine.remove_lora(chat.lora_name)
+    merging.engine.add_lora(chat)
+
+
+def test_adapter_with_embedding_or_lm_head_weights_stays_on_the_lora_path(demo, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32).eval()
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["lm_head", "q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "head")
+    lora = LoRARequest("head", 9, str(tmp_path / "head"))
+    llm, ref = _llm(demo, lora_merge_steps=1), _llm(demo)
+    _assert_same(_runs(llm.generate(PROMPTS[:2], _params(), [lora] * 2)),
+                 _runs(ref.generate(PROMPTS[:2], _params(), [lora] * 2)), 1e-5)
+    assert _state(llm) == (None, 0)
+
+
+def test_tensor_parallel_ranks_merge_their_own_shards(demo, loras, reference):
+    """TP=2 (gloo, two CPU processes): every rank merges its shards from its slots; outputs equal TP=1."""
+    lora = loras["demo-translate"]
+    want = _runs(reference.generate(PROMPTS[:3], _params(), [lora] * 3))
+    llm = _llm(demo, tensor_parallel_size=2, lora_merge_steps=2)
+    try:
+        _assert_same(_runs(llm.generate(PROMPTS[:3], _params(), [lora] * 3)), want, 1e-4)
+        assert _state(llm)[0] == lora.lora_int_id
+        _assert_same(_runs(llm.generate(PROMPTS[:3], _params(), None)),
+                     _runs(reference.generate(PROMPTS[:3], _params(), None)), 1e-4)
+        assert _state(llm)[0] is None
+    finally:
+        llm.shutdown()
+
+
+def test_settings_that_cannot_merge_are_refused(demo):
+    with pytest.raises(ValueError, match="lora_merge_steps"):
+        EngineArgs(model="m", lora_merge_steps=-1)
+    with pytest.raises(ValueError, match="enable_lora"):
+        EngineArgs(model="m", lora_merge_steps=4)
+    with pytest.raises(LoRAConfigError, match="fully-sharded"):
+        _llm(demo, tensor_parallel_size=2, fully_sharded_loras=True, lora_merge_steps=4)
