@@ -57,6 +57,11 @@ def _block_r(rank: int) -> int:
     return max(16, 1 << (rank - 1).bit_length())
 
 
+def _k_steps(hidden: int, split_k: int, block_k: int) -> int:
+    """BLOCK_K steps of the K loop of a program that owns one of split_k chunks of hidden."""
+    return -(-(-(-hidden // split_k)) // block_k)
+
+
 def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int) -> tuple[int, int, int]:
     """(BLOCK_K, grid splits, split cap) for a shrink: split H so decode launches fill the GPU.
 
@@ -114,7 +119,7 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
             *out.stride(),
             ranks.stride(0),
             R=rank, BLOCK_R=_block_r(rank), BLOCK_K=block_k, USE_PDL=use_pdl,
-            PREFETCH_A=-(-(-(-hidden // split_k)) // block_k) <= 2,
+            PREFETCH_A=_k_steps(hidden, split_k, block_k) <= 2,
             num_warps=4, num_stages=2, **_pdl_kwargs(use_pdl),
         )
         return
@@ -129,6 +134,8 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
         ranks.stride(0),
         R=rank, BLOCK_M=meta.block_m, BLOCK_R=_block_r(rank), BLOCK_K=block_k,
         ACCUMULATE=accumulate, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32,
+        # Dealing only adds splits per tile, so the grid's split bounds every program's K steps.
+        PREFETCH_A=_k_steps(hidden, split_k, block_k) <= 2,
         num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
     )
 

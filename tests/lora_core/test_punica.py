@@ -277,9 +277,10 @@ def test_programs_are_dealt_over_the_real_tiles(num_tokens, popularity):
     _assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("bgmv_max_tokens", [0, 32], ids=["sgmv", "bgmv"])
 @pytest.mark.parametrize("split_k", [1, 2, 4], ids=["4-steps", "2-steps", "1-step"])
-def test_bgmv_shrink_any_number_of_k_steps(split_k):
-    """The BGMV shrink loads its first A tile ahead of the loop only for one or two K steps per
+def test_shrink_any_number_of_k_steps(split_k, bgmv_max_tokens):
+    """The shrinks load their first A tile ahead of the loop only for one or two K steps per
     program (triton_ops.shrink decides on the host); every split of K must give the same partials."""
     from lora_core.punica import triton_ops
 
@@ -289,9 +290,9 @@ def test_bgmv_shrink_any_number_of_k_steps(split_k):
     a, _, ranks = stacked_weights(NUM_SLOTS, 16, HIDDEN, slices, [16, 8], dtype, DEVICE, g)
     slots = [3, -1, 0, 5]
     ids = [1, 2, 3, 4, 5, 6]
-    tri = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=32)
+    tri = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=bgmv_max_tokens)
     tri.update_metadata(_mapping(slots, ids, False), ids)
-    assert tri.token_meta.use_bgmv
+    assert tri.token_meta.use_bgmv == (bgmv_max_tokens > 0)
     x = torch.randn(len(slots), HIDDEN, generator=g).to(DEVICE, dtype)
     parts = torch.full((split_k, len(slices), len(slots), 16), float("nan"), device=DEVICE)
     triton_ops.shrink(parts, x, a, ranks, tri.token_meta, 0.5, accumulate=False, split_k=split_k,
