@@ -67,7 +67,7 @@ def shrink_kernel(
     so_split, so_s, so_t, so_r,
     sr_s,
     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACCUMULATE: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr, PREFETCH_A: tl.constexpr,
 ):
     """out[split, s, tok, :R] (+)= scale * x[tok, k-range] @ A[s, slot, :rank, k-range]^T.
 
@@ -106,16 +106,23 @@ def shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     x_rows = x_ptr + tok[:, None].to(tl.int64) * sx_t
     a_rows = a_ptr + s.to(tl.int64) * sa_s + lora.to(tl.int64) * sa_l + offs_r[None, :] * sa_r
-    # Launched under the previous kernel (PDL): the metadata and the first A tile are read before
+    # Launched under the previous kernel (PDL): the metadata (and, for one or two K steps, the first
+    # A tile: as in the BGMV shrink, peeling a longer loop costs more than it saves) are read before
     # waiting for it, x (which it may have written) after.
-    offs_k = k_lo + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < k_hi
-    at = tl.load(a_rows + offs_k[:, None] * sa_k, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-    _pdl_wait(USE_PDL)
+    if PREFETCH_A:
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        at = tl.load(a_rows + offs_k[:, None] * sa_k, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        _pdl_wait(USE_PDL)
+        if rank > 0:
+            xt = tl.load(x_rows + offs_k[None, :] * sx_k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += _dot(xt, at, IEEE)
+        k_first = k_lo + BLOCK_K
+    else:
+        _pdl_wait(USE_PDL)
+        k_first = k_lo
     if rank > 0:
-        xt = tl.load(x_rows + offs_k[None, :] * sx_k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += _dot(xt, at, IEEE)
-        for k in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        for k in range(k_first, k_hi, BLOCK_K):
             offs_k = k + tl.arange(0, BLOCK_K)
             k_mask = offs_k < k_hi
             xt = tl.load(x_rows + offs_k[None, :] * sx_k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)

@@ -134,6 +134,8 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
         ranks.stride(0),
         R=rank, BLOCK_M=meta.block_m, BLOCK_R=_block_r(rank), BLOCK_K=block_k,
         ACCUMULATE=accumulate, USE_PDL=use_pdl, IEEE=x.dtype == torch.float32,
+        # Dealing only adds splits per tile, so the grid's split bounds every program's K steps.
+        PREFETCH_A=_k_steps(hidden, split_k, block_k) <= 2,
         num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
     )
 
