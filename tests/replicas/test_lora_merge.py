@@ -21,7 +21,8 @@ def _params() -> SamplingParams:
 
 
 def _llm(demo, **kwargs) -> LLM:
-    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu") | kwargs
+    # float32; on a GPU (the device) with CUDA graphs: merged steps replay the base graphs
+    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", num_kv_blocks=128) | kwargs
     return LLM(str(demo.model_dir), **kwargs)
 
 
@@ -123,16 +124,17 @@ def test_adapter_with_embedding_or_lm_head_weights_stays_on_the_lora_path(demo, 
     assert _state(llm) == (None, 0)
 
 
-def test_tensor_parallel_ranks_merge_their_own_shards(demo, loras, reference):
+def test_tensor_parallel_ranks_merge_their_own_shards(demo, loras):
     """TP=2 (gloo, two CPU processes): every rank merges its shards from its slots; outputs equal TP=1."""
     lora = loras["demo-translate"]
-    want = _runs(reference.generate(PROMPTS[:3], _params(), [lora] * 3))
-    llm = _llm(demo, tensor_parallel_size=2, lora_merge_steps=2)
+    ref = _llm(demo, device="cpu")
+    want = _runs(ref.generate(PROMPTS[:3], _params(), [lora] * 3))
+    llm = _llm(demo, tensor_parallel_size=2, lora_merge_steps=2, device="cpu")
     try:
         _assert_same(_runs(llm.generate(PROMPTS[:3], _params(), [lora] * 3)), want, 1e-4)
         assert _state(llm)[0] == lora.lora_int_id
         _assert_same(_runs(llm.generate(PROMPTS[:3], _params(), None)),
-                     _runs(reference.generate(PROMPTS[:3], _params(), None)), 1e-4)
+                     _runs(ref.generate(PROMPTS[:3], _params(), None)), 1e-4)
         assert _state(llm)[0] is None
     finally:
         llm.shutdown()
@@ -144,4 +146,4 @@ def test_settings_that_cannot_merge_are_refused(demo):
     with pytest.raises(ValueError, match="enable_lora"):
         EngineArgs(model="m", lora_merge_steps=4)
     with pytest.raises(LoRAConfigError, match="fully-sharded"):
-        _llm(demo, tensor_parallel_size=2, fully_sharded_loras=True, lora_merge_steps=4)
+        _llm(demo, tensor_parallel_size=2, fully_sharded_loras=True, lora_merge_steps=4, device="cpu")
