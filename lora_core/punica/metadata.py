@@ -14,7 +14,8 @@ Layout, for T tokens with slots s[0..T) (-1 = no adapter):
     num_tiles  [1]         how many tiles are real (the rest have tile_lora -1)
 A tile holds up to block_m tokens of one slot, so the kernels never mix two
 adapters in one tl.dot (SGMV). max_tiles bounds sum_l ceil(c_l / block_m) by
-ceil(T / block_m) + min(T, L) - 1 whatever the popularity.
+ceil(T / block_m) + min(T, L) - 1 whatever the popularity, L being the step's
+adapters rounded up (adapter_bound): the kernels' grids are sized by it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ def choose_block_m(num_tokens: int, num_adapters: int = 1) -> int:
     if num_tokens <= 128 or num_tokens <= 16 * max(1, num_adapters):
         return 16
     return 32 if num_tokens <= 1024 else 64
+
+
+def adapter_bound(num_adapters: int, num_slots: int) -> int:
+    """The adapters a step's grid is sized for: its own count (known on the host) rounded up to a power
+    of four, so that three CUDA graphs per row count cover 1-16 adapters. Sizing grids for every slot
+    launched up to 16x more programs than a one-adapter step has tiles: programs that only exit, after
+    waiting for the kernel before (PDL), but hold their SM's shared memory meanwhile."""
+    bound = 1
+    while bound < num_adapters:
+        bound *= 4
+    return min(num_slots, bound)
 
 
 def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
@@ -63,10 +75,11 @@ class PunicaMetadata:
         self.use_bgmv = False
         self.max_tiles = 1
 
-    def update(self, slots: torch.Tensor, num_adapters: int = 1) -> None:
+    def update(self, slots: torch.Tensor, num_adapters: int) -> None:
         """Take this step's slot per row (int32 on the device, -1 = none) and derive the tiles.
 
-        num_adapters (distinct slots in use, known on the host) only tunes the tile height.
+        num_adapters: distinct slots in use, known on the host. It sets the tile height and bounds the
+        tile count (layout), so it must not be lower than the truth: tiles past the bound are dropped.
         """
         n = slots.shape[0]
         if n > self.max_rows:
@@ -88,7 +101,7 @@ class PunicaMetadata:
         block_m = choose_block_m(num_rows, num_adapters)
         # BGMV (one token per program) wins while adapters are barely shared.
         use_bgmv = num_rows <= self.bgmv_max_rows and num_rows <= 2 * max(1, num_adapters)
-        return block_m, use_bgmv, max_tiles(num_rows, self.num_slots, block_m)
+        return block_m, use_bgmv, max_tiles(num_rows, adapter_bound(num_adapters, self.num_slots), block_m)
 
     def launch_key(self, num_rows: int, num_adapters: int) -> tuple:
         """What a CUDA graph of such a step freezes of this metadata (0 adapters: the layers skip LoRA)."""

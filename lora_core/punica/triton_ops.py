@@ -12,7 +12,7 @@ import functools
 import torch
 import triton.language as tl
 
-from lora_core.punica.metadata import PunicaMetadata
+from lora_core.punica.metadata import PunicaMetadata, max_tiles
 from lora_core.punica.triton_kernels import bgmv_expand_kernel, bgmv_shrink_kernel, expand_kernel, shrink_kernel
 
 # Enough programs to keep every SM of an H100/H200 streaming weights.
@@ -29,6 +29,19 @@ SPLIT_ROWS = 256
 def _deal_target(programs: int, meta: PunicaMetadata) -> int:
     # Taller tiles carry more work each: past 16 rows the kernels are no longer latency-bound.
     return programs * 16 // meta.block_m
+
+
+def _slot_bound_tiles(meta: PunicaMetadata) -> int:
+    """Tiles of the step's rows if every slot could be in it. The grid is bounded by the step's adapters
+    (metadata.layout); the work per tile is still planned for this count, as the sweeps behind these
+    settings were, and the device deal (_dealt) adds to it when there are fewer tiles."""
+    return max_tiles(meta.num_rows, meta.num_slots, meta.block_m)
+
+
+def _dealt(programs: int, meta: PunicaMetadata, num_slices: int, cap: int) -> int:
+    """What triton_kernels._deal gives each of max_tiles real tiles, at most cap: the host's share when
+    every tile the grid holds is real."""
+    return min(cap, -(-_deal_target(programs, meta) // (meta.max_tiles * num_slices)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,9 +90,10 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int)
         return block_k, split_k, split_k
     block_k = 128 if _block_r(rank) >= 64 else 256
     k_blocks = max(1, -(-hidden // block_k))
-    programs = meta.max_tiles * num_slices
-    split_k = max(1, min(k_blocks, -(-_TARGET_PROGRAMS // programs), 32))
-    return block_k, split_k, max(split_k, min(k_blocks, 32, SPLIT_ROWS // _block_r(rank)))
+    cap = max(1, min(k_blocks, 32, SPLIT_ROWS // _block_r(rank)))
+    planned = max(1, min(k_blocks, -(-_TARGET_PROGRAMS // (_slot_bound_tiles(meta) * num_slices)), 32))
+    split_k = max(planned, _dealt(DEAL_SHRINK_PROGRAMS, meta, num_slices, cap))
+    return block_k, split_k, max(split_k, cap)
 
 
 def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tuple[int, int]:
@@ -89,12 +103,13 @@ def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tupl
     deals that plane out over the real tiles (expand_kernel)."""
     if use_bgmv(meta):
         block_n = 64
-        programs = meta.num_rows * num_slices
-    else:
-        block_n = 128 if meta.block_m <= 32 else 64
-        programs = meta.max_tiles * num_slices
+        n_blocks = -(-max_slice // block_n)
+        chunks = max(1, min(n_blocks, -(-2 * _TARGET_PROGRAMS // (meta.num_rows * num_slices))))
+        return block_n, block_n * -(-n_blocks // chunks)
+    block_n = 128 if meta.block_m <= 32 else 64
     n_blocks = -(-max_slice // block_n)
-    chunks = max(1, min(n_blocks, -(-2 * _TARGET_PROGRAMS // programs)))
+    planned = max(1, min(n_blocks, -(-2 * _TARGET_PROGRAMS // (_slot_bound_tiles(meta) * num_slices))))
+    chunks = max(planned, _dealt(DEAL_EXPAND_PROGRAMS, meta, num_slices, n_blocks))
     return block_n, block_n * -(-n_blocks // chunks)
 
 

@@ -35,3 +35,19 @@ def test_a_real_step_has_the_key_of_its_synthetic_twin():
     wrapper.set_decode_layout(8, 3)
     assert wrapper.launch_key() == key
     assert torch.equal(wrapper.token_meta.slots, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1], dtype=torch.int32))
+
+
+def test_sgmv_grids_are_bounded_by_the_steps_adapters_not_the_slots():
+    """32 rows over 32 slots: one adapter launches 2 tiles' programs, not the 33 that every slot would
+    need; 3 adapters count as 4 and 5-16 as 16 (powers of four, so few graphs cover every count)."""
+    wrapper = PunicaWrapper(64, max_loras=32, device="cpu", max_num_prompts=64)
+    tiles = {}
+    for adapters in (1, 2, 3, 4, 5, 8, 15):
+        wrapper.set_decode_layout(32, adapters)
+        assert not wrapper.token_meta.use_bgmv
+        tiles[adapters] = wrapper.token_meta.max_tiles
+    assert tiles == {1: 2, 2: 5, 3: 5, 4: 5, 5: 17, 8: 17, 15: 17}
+    # a real step: every tile it has fits under its bound (3 adapters, 30 rows of one and 1 each of two)
+    ids = [5] * 30 + [6, 7]
+    wrapper.update_metadata(LoRAMapping(ids, ids, is_prefill=False), list(range(5, 37)))
+    assert int(wrapper.token_meta.num_tiles) == 4 <= wrapper.token_meta.max_tiles == 5

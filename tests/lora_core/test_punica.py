@@ -12,6 +12,7 @@ import torch
 from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.punica import PunicaWrapper
+from lora_core.punica.metadata import adapter_bound, max_tiles
 from tests.lora_core.punica_cases import POPULARITY, stacked_weights, token_slots
 
 ON_GPU = torch.cuda.is_available()
@@ -245,16 +246,17 @@ def test_shrink_reads_at_most_the_rows_it_holds(bgmv_max_tokens):
     _assert_close(outs[1][0], want, torch.float16 if ON_GPU else torch.float32)
 
 
-@pytest.mark.parametrize("num_tokens,popularity", [(48, "identical"), (64, "uniform"), (300, "identical")])
-def test_programs_are_dealt_over_the_real_tiles(num_tokens, popularity):
-    """Many slots, few in use: the SGMV grid is sized for every slot, and the device gives the idle
-    programs to the real tiles as extra K splits and column chunks. Results must not change."""
+@pytest.mark.parametrize("num_tokens,used,popularity", [(48, 3, "uniform"), (256, 16, "uniform"), (300, 1, "identical")])
+def test_programs_are_dealt_over_the_real_tiles(num_tokens, used, popularity):
+    """Fewer real tiles than the grid's bound (the step's adapters, rounded up to a power of two, plus a
+    partial tile each): the device gives the idle programs to the real tiles as extra K splits and
+    column chunks. Results must not change."""
     dtype = DTYPES[-1]
     hidden, slots_total = 4096, 32
     g = torch.Generator().manual_seed(num_tokens)
     slices = SLICES[3]
     a, b, ranks = stacked_weights(slots_total, 16, hidden, slices, [16, 8], dtype, DEVICE, g)
-    slots = token_slots(num_tokens, 3, popularity, g, none_fraction=0.1)
+    slots = token_slots(num_tokens, used, popularity, g, none_fraction=0.1)
     ids = list(range(1, slots_total + 1))
     mapping = _mapping(slots, ids, num_tokens > 16)
     ref = PunicaWrapper(512, slots_total, DEVICE, backend="torch")
@@ -263,12 +265,13 @@ def test_programs_are_dealt_over_the_real_tiles(num_tokens, popularity):
         w.update_metadata(mapping, ids)
     meta = tri.token_meta
     real = sum(-(-slots.count(s) // meta.block_m) for s in set(slots) - {-1})
-    assert int(meta.num_tiles) == real < meta.max_tiles
+    bound = adapter_bound(len(set(slots) - {-1}), slots_total)
+    assert int(meta.num_tiles) == real < meta.max_tiles == max_tiles(num_tokens, bound, meta.block_m)
     from lora_core.punica import triton_ops
 
     _, grid_splits, cap = triton_ops.shrink_config(meta, hidden, len(slices), 16)
-    if meta.block_m == 16:  # latency-bound tiles: the device may split K finer than the host planned
-        assert min(cap, meta.max_tiles * grid_splits // real) > grid_splits
+    # latency-bound tiles, and a grid planned for more of them than there are: the device splits K finer
+    assert min(cap, meta.max_tiles * grid_splits // real) > grid_splits
     x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, dtype)
     y0 = torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE, dtype)
     want, got = y0.float().clone(), y0.clone()
