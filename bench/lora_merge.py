@@ -59,8 +59,7 @@ def main() -> None:
     for _ in range(a.repeat):
         merges.append(_ms(lambda: merger.merge(lora.lora_int_id, slot)))
         unmerges.append(_ms(merger.unmerge))
-    weights = sum(w.numel() * w.element_size() for w, _ in merger._layers)
-    print(f"rank {a.rank}: linear weights {weights / 2**30:.2f} GiB, their copy {merger.backup_bytes() / 2**30:.2f} GiB; "
+    print(f"rank {a.rank}: the copy of the linear weights {merger.backup_bytes() / 2**30:.2f} GiB; "
           f"merge {sorted(merges)[len(merges) // 2]:.2f} ms, unmerge {sorted(unmerges)[len(unmerges) // 2]:.2f} ms "
           f"(median of {a.repeat})")
     engine.shutdown()

@@ -99,8 +99,9 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int)
 def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tuple[int, int]:
     """(BLOCK_N, N_PER_PROG): enough programs to fill the GPU, each streaming several B tiles.
 
-    SGMV: the grid holds max_slice / N_PER_PROG chunks per tile of the worst case; the device
-    deals that plane out over the real tiles (expand_kernel)."""
+    SGMV: the grid holds max_slice / N_PER_PROG chunks for each of max_tiles tiles (planned as if
+    every slot could be in the step, _slot_bound_tiles); the device deals that plane out over the
+    real tiles (expand_kernel)."""
     if use_bgmv(meta):
         block_n = 64
         n_blocks = -(-max_slice // block_n)
