@@ -53,6 +53,21 @@ class SlotLayout:
             self._regions[name] = (a, b, bias)
             offset = end
         self.slot_bytes = offset
+        self.padding = self._padding()
+
+    def _padding(self) -> torch.Tensor:
+        """int64 byte offsets that no view covers (alignment gaps): zeroed in every image, so that two
+        images of one adapter are equal byte for byte whatever their slabs held before."""
+        used = [(0, 4 * len(self.names) * self.max_slices)]
+        for name, (a, b, bias) in self._regions.items():
+            d = self.dims[name]
+            used += [(a, a + math.prod(d.lora_a_shape(1)) * self.esize),
+                     (b, b + math.prod(d.lora_b_shape(1)) * self.esize)]
+            if bias is not None:
+                used.append((bias, bias + d.out_features * self.esize))
+        gaps = [torch.arange(end, start) for (_, end), (start, _) in zip(used, used[1:] + [(self.slot_bytes, 0)])
+                if start > end]
+        return torch.cat(gaps) if gaps else torch.zeros(0, dtype=torch.int64)
 
     def index(self, name: str) -> int:
         """The module's row in the ranks header and in LoRAModelManager's ranks tensor."""

@@ -80,7 +80,14 @@ class MultiprocExecutor:
             self._procs.append(proc)
         if cfg.device.startswith("cuda"):
             cfg.device = "cuda:0"
-        self.runner = ModelRunner(cfg, init_distributed(0, tp_size, init_method, backend_for(cfg.device)))
+        self.runner = None
+        try:
+            self.runner = ModelRunner(cfg, init_distributed(0, tp_size, init_method, backend_for(cfg.device)))
+        except BaseException:
+            # e.g. a setting the runner refuses: the workers (failed or waiting) and this process's
+            # process group must go, or the next engine in this process finds a stale group
+            self.shutdown()
+            raise
         for conn in self._conns:
             status, detail = conn.recv()
             if status != "ok":
@@ -116,7 +123,8 @@ class MultiprocExecutor:
         return self._call("execute", (step,), (step, previous_tokens))
 
     def shutdown(self) -> None:
-        self.runner.close()
+        if self.runner is not None:
+            self.runner.close()
         for conn in self._conns:
             try:
                 conn.send(("shutdown", ()))

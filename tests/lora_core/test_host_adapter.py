@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from tests.lora_core.test_model_manager import make_lora, manager
+from tests.lora_core.test_model_manager import HIDDEN, KV, make_lora, manager
 
 
 @pytest.mark.parametrize("memory", ["plain", "shared"])
@@ -55,3 +55,36 @@ def test_copy_pins_a_shared_adapter():
     pinned = adapter.copy()
     assert pinned.slab.is_pinned() and torch.equal(pinned.slab, adapter.slab)
     assert torch.equal(pinned.ranks, adapter.ranks)
+
+
+@pytest.mark.parametrize("fill", [0x00, 0xFF, 0x3C])
+def test_an_image_written_over_another_adapters_bytes_equals_a_fresh_one(monkeypatch, fill):
+    """Slabs are reused (pool blocks) and never cleared whole: every byte that a view reads must come
+    from this adapter or be zero, whatever the slab held before. Mixed ranks, untargeted slices and
+    modules, biases on some slices, embeddings."""
+    import lora_core.host_adapter as host_adapter
+
+    m = manager(bias=True)
+    lora = make_lora(6, 8, skip=("k_proj", "down_proj"), rank_pattern={"gate_proj": 4, "embed_tokens": 2}, bias=True)
+    for name, layer in lora.loras.items():  # a bias on some slices only
+        if name.endswith(("q_proj", "up_proj")):
+            layer.bias = None
+    real_slab = host_adapter._slab
+
+    def dirty(nbytes, pin_memory, pool):
+        slab, block = real_slab(nbytes, pin_memory, pool)
+        return slab.fill_(fill), block
+
+    want = m.preparer.prepare(lora)
+    monkeypatch.setattr(host_adapter, "_slab", dirty)
+    got = m.preparer.prepare(lora)
+    want_ranks, want_views = m.layout.image_views(want.slab)
+    got_ranks, got_views = m.layout.image_views(got.slab)
+    assert torch.equal(got_ranks, want_ranks)
+    assert torch.equal(got.slab, want.slab)  # alignment gaps included: images of one adapter are equal bytes
+    for name, views in want_views.items():
+        for w, g in zip(views, got_views[name]):
+            assert (w is None) == (g is None) and (w is None or torch.equal(g, w)), name
+    qkv_a, qkv_b, qkv_bias = got_views["model.layers.0.self_attn.qkv_proj"]
+    assert qkv_a[1].abs().sum() == 0 and qkv_a[0, 8:].abs().sum() == 0 and qkv_b[:, 8:].abs().sum() == 0
+    assert qkv_bias[:HIDDEN].abs().sum() == 0 and qkv_bias[HIDDEN + KV:].abs().sum() > 0  # q: none, v: given

@@ -147,3 +147,9 @@ def test_settings_that_cannot_merge_are_refused(demo):
         EngineArgs(model="m", lora_merge_steps=4)
     with pytest.raises(LoRAConfigError, match="fully-sharded"):
         _llm(demo, tensor_parallel_size=2, fully_sharded_loras=True, lora_merge_steps=4, device="cpu")
+    # the refused engine's workers and process group are gone: the next TP engine in this process starts
+    llm = _llm(demo, tensor_parallel_size=2, device="cpu")
+    try:
+        assert _runs(llm.generate(PROMPTS[:1], _params(), None))[0][0]
+    finally:
+        llm.shutdown()
