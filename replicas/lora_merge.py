@@ -14,9 +14,10 @@ costs. Opt-in (EngineArgs.lora_merge_steps), because:
 - Numerics: a merged step rounds W + B A into the weights' dtype once, as
   PEFT's merge_and_unload does; the LoRA path adds x A B to x W. Greedy tokens
   can differ where two logits tie within that rounding.
-- Switching: a merge or an unmerge rewrites every linear weight (~8 ms for 8B on
-  an H200), so an adapter merges only after ``merge_after`` consecutive steps
-  that use it alone, and unmerges at the first step that does not.
+- Switching: a merge or an unmerge rewrites every linear weight (8B on an H200:
+  19 ms and 7 ms, bench/lora_merge.py), so an adapter merges only after
+  ``merge_after`` consecutive steps that use it alone, and unmerges at the
+  first step that does not.
 
 Only linear layers merge: an adapter with embedding or lm_head weights runs on
 the LoRA path, and so does an engine with fully-sharded LoRA (a rank holds
