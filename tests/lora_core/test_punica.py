@@ -246,9 +246,10 @@ def test_shrink_reads_at_most_the_rows_it_holds(bgmv_max_tokens):
     _assert_close(outs[1][0], want, torch.float16 if ON_GPU else torch.float32)
 
 
-@pytest.mark.parametrize("num_tokens,used,popularity", [(48, 3, "uniform"), (256, 16, "uniform"), (300, 1, "identical")])
+@pytest.mark.parametrize("num_tokens,used,popularity",
+                         [(48, 3, "uniform"), (256, 16, "uniform"), (300, 1, "identical")])
 def test_programs_are_dealt_over_the_real_tiles(num_tokens, used, popularity):
-    """Fewer real tiles than the grid's bound (the step's adapters, rounded up to a power of two, plus a
+    """Fewer real tiles than the grid's bound (the step's adapters, rounded up to a power of four, plus a
     partial tile each): the device gives the idle programs to the real tiles as extra K splits and
     column chunks. Results must not change."""
     dtype = DTYPES[-1]
