@@ -41,33 +41,26 @@ class SlotLayout:
         self.dtype = dtype
         self.esize = torch.empty((), dtype=dtype).element_size()
         self.max_slices = max((len(d.out_slices) for d in dims.values()), default=1)
-        offset = _aligned(4 * len(self.names) * self.max_slices)  # the ranks header
         self._regions: dict[str, tuple[int, int, int | None]] = {}  # name -> byte offsets of A, B, bias
+        self.slot_bytes = 0
+        gaps: list[torch.Tensor] = []  # alignment gaps: zeroed in every image (see padding)
+        self._place(4 * len(self.names) * self.max_slices, gaps)  # the ranks header
         for name, d in dims.items():
-            a = offset
-            b = _aligned(a + math.prod(d.lora_a_shape(1)) * self.esize)
-            end = _aligned(b + math.prod(d.lora_b_shape(1)) * self.esize)
-            bias = None
-            if bias_enabled and not d.is_embedding:
-                bias, end = end, _aligned(end + d.out_features * self.esize)
+            a = self._place(math.prod(d.lora_a_shape(1)) * self.esize, gaps)
+            b = self._place(math.prod(d.lora_b_shape(1)) * self.esize, gaps)
+            bias = self._place(d.out_features * self.esize, gaps) if bias_enabled and not d.is_embedding else None
             self._regions[name] = (a, b, bias)
-            offset = end
-        self.slot_bytes = offset
-        self.padding = self._padding()
+        # int64 byte offsets that no view covers: zeroed in every image, so that two images of one
+        # adapter are equal byte for byte whatever their slabs held before
+        self.padding = torch.cat(gaps) if gaps else torch.zeros(0, dtype=torch.int64)
 
-    def _padding(self) -> torch.Tensor:
-        """int64 byte offsets that no view covers (alignment gaps): zeroed in every image, so that two
-        images of one adapter are equal byte for byte whatever their slabs held before."""
-        used = [(0, 4 * len(self.names) * self.max_slices)]
-        for name, (a, b, bias) in self._regions.items():
-            d = self.dims[name]
-            used += [(a, a + math.prod(d.lora_a_shape(1)) * self.esize),
-                     (b, b + math.prod(d.lora_b_shape(1)) * self.esize)]
-            if bias is not None:
-                used.append((bias, bias + d.out_features * self.esize))
-        gaps = [torch.arange(end, start) for (_, end), (start, _) in zip(used, used[1:] + [(self.slot_bytes, 0)])
-                if start > end]
-        return torch.cat(gaps) if gaps else torch.zeros(0, dtype=torch.int64)
+    def _place(self, nbytes: int, gaps: list[torch.Tensor]) -> int:
+        """Append a region of nbytes; returns its offset. The slot grows to the next aligned offset."""
+        start, end = self.slot_bytes, self.slot_bytes + nbytes
+        self.slot_bytes = _aligned(end)
+        if self.slot_bytes > end:
+            gaps.append(torch.arange(end, self.slot_bytes))
+        return start
 
     def index(self, name: str) -> int:
         """The module's row in the ranks header and in LoRAModelManager's ranks tensor."""

@@ -86,8 +86,7 @@ class LoRAMerger:
             if lora_id not in self.manager.list_adapters():
                 return False
             ranks = self.manager.host_ranks(lora_id)
-            self._mergeable[lora_id] = not bool(ranks[self._unmergeable_rows].any()) if self._unmergeable_rows \
-                else True
+            self._mergeable[lora_id] = not bool(ranks[self._unmergeable_rows].any())  # no rows: False
         return self._mergeable[lora_id]
 
     def forget(self, lora_id: int) -> None:

@@ -102,15 +102,13 @@ def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tupl
     SGMV: the grid holds max_slice / N_PER_PROG chunks for each of max_tiles tiles (planned as if
     every slot could be in the step, _slot_bound_tiles); the device deals that plane out over the
     real tiles (expand_kernel)."""
-    if use_bgmv(meta):
-        block_n = 64
-        n_blocks = -(-max_slice // block_n)
-        chunks = max(1, min(n_blocks, -(-2 * _TARGET_PROGRAMS // (meta.num_rows * num_slices))))
-        return block_n, block_n * -(-n_blocks // chunks)
-    block_n = 128 if meta.block_m <= 32 else 64
+    bgmv = use_bgmv(meta)
+    block_n = 64 if bgmv or meta.block_m > 32 else 128
     n_blocks = -(-max_slice // block_n)
-    planned = max(1, min(n_blocks, -(-2 * _TARGET_PROGRAMS // (_slot_bound_tiles(meta) * num_slices))))
-    chunks = max(planned, _dealt(DEAL_EXPAND_PROGRAMS, meta, num_slices, n_blocks))
+    programs = (meta.num_rows if bgmv else _slot_bound_tiles(meta)) * num_slices
+    chunks = max(1, min(n_blocks, -(-2 * _TARGET_PROGRAMS // programs)))
+    if not bgmv:
+        chunks = max(chunks, _dealt(DEAL_EXPAND_PROGRAMS, meta, num_slices, n_blocks))
     return block_n, block_n * -(-n_blocks // chunks)
 
 
