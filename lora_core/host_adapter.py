@@ -96,7 +96,9 @@ class AdapterPreparer:
                 self._targets[sub] = (spec.name, index)
         self.dims = {name: local_dims(spec, tp_rank, tp_size, lora_config.max_lora_rank,
                                       lora_config.fully_sharded_loras) for name, spec in specs.items()}
-        self.layout = SlotLayout(self.dims, slot_dtype, lora_config.bias_enabled)
+        # Linear layers' A rows last: a manager may hold them under the base weights (stacked_a.py).
+        linear = frozenset(name for name, spec in specs.items() if spec.kind is LoRAKind.LINEAR)
+        self.layout = SlotLayout(self.dims, slot_dtype, lora_config.bias_enabled, a_last=linear)
 
     def prepare(self, lora: LoRAModel, memory: str = "plain", pool: PinnedSlabPool | None = None) -> HostAdapter:
         """Validate lora against the slots and lay it out for them in ONE host allocation.

@@ -42,6 +42,7 @@ from lora_core.mapping import LoRAMapping
 from lora_core.module_spec import LoRAModuleSpec
 from lora_core.pinned_pool import PinnedSlabPool
 from lora_core.slot_buffers import LoRASlotBuffers
+from lora_core.stacked_a import check_stacked_a
 
 _log = logging.getLogger(__name__)
 
@@ -49,11 +50,13 @@ _log = logging.getLogger(__name__)
 class LoRAModelManager:
     def __init__(self, specs: list[LoRAModuleSpec], lora_config: LoRAConfig, device: torch.device | str,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, host_pool_blocks: int = 0,
-                 host_pool_max_bytes: int | None = None) -> None:
+                 host_pool_max_bytes: int | None = None, stacked_a: dict[str, torch.Tensor] | None = None) -> None:
         """host_pool_blocks > 0: host-tier slabs come from a PinnedSlabPool of that many blocks, pinned
         here (on CUDA) so that serving never pins memory: max_cpu_loras plus the loads that can be in
         flight at once. 0: each adapter pins its own slab as it arrives. host_pool_max_bytes caps the
-        pool (fewer blocks; adapters past them pin their own slabs)."""
+        pool (fewer blocks; adapters past them pin their own slabs).
+        stacked_a: for every linear module, the device rows [max_loras, S, R_a, in] under its base weight
+        that hold its A slots (lora_core/stacked_a.py); the arena then holds everything else."""
         self.config = lora_config
         self.device = torch.device(device)
         self.dtype = lora_config.slot_dtype(dtype)
@@ -66,12 +69,16 @@ class LoRAModelManager:
         self.preparer = AdapterPreparer(self.specs, lora_config, self.dtype, tp_rank, tp_size)
         self._dims = self.preparer.dims
         self.layout = self.preparer.layout
+        self._stacked_a = check_stacked_a(stacked_a, self.layout, lora_config.max_loras, self.device) \
+            if stacked_a is not None else {}
         # Every module's slots in one tensor, laid out as the host images (slot_layout.py); ranks apart.
-        self._arena = torch.zeros(lora_config.max_loras, self.layout.slot_bytes, dtype=torch.uint8,
-                                  device=self.device)
+        arena_bytes = self.layout.arena_bytes if self._stacked_a else self.layout.slot_bytes
+        self._arena = torch.zeros(lora_config.max_loras, arena_bytes, dtype=torch.uint8, device=self.device)
         self._ranks = torch.zeros(len(self.layout.names), self.layout.max_slices, lora_config.max_loras,
                                   dtype=torch.int32, device=self.device)
         views = self.layout.slot_views(self._arena)
+        for name, rows in self._stacked_a.items():
+            views[name] = (rows.transpose(0, 1),) + views[name][1:]  # [S, L, R_a, in], as the kernels read A
         self._buffers = {name: LoRASlotBuffers(spec=spec, lora_a=views[name][0], lora_b=views[name][1],
                                                ranks=self._ranks[self.layout.index(name),
                                                                  :len(self._dims[name].out_slices)],
@@ -262,9 +269,11 @@ class LoRAModelManager:
 
     def _write(self, slot: int, adapter: HostAdapter, stream: "torch.cuda.Stream | None") -> None:
         """Two copies: the adapter's slot image (zeros past its ranks included), then its ranks, which
-        make the kernels read the slot."""
+        make the kernels read the slot; with stacked A rows, one more per linear module between them."""
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self._arena[slot].copy_(adapter.slab, non_blocking=True)
+            self._arena[slot].copy_(adapter.slab[:self._arena.shape[1]], non_blocking=True)
+            for name, rows in self._stacked_a.items():
+                rows[slot].copy_(self.layout.image_a(adapter.slab, name), non_blocking=True)
             self._ranks[:, :, slot].copy_(adapter.ranks, non_blocking=True)
             if adapter.block is not None and self._pin_host:
                 adapter.block.record()  # the pool hands the block out again only after these copies

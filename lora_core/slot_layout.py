@@ -14,8 +14,11 @@ module's regions, every one 64-byte aligned:
     A     [S, R_a, in]   (an embedding: [vocab, R])
     B     [out, R_b]
     bias  [out]          (only with bias_enabled; never for an embedding)
-The device keeps the ranks apart, in ``ranks`` [num_modules, max_slices, max_loras], because the
-kernels read ranks[s, slot] with a slot stride of one.
+The A regions of the modules named ``a_last`` (the linear layers) come after every other region,
+from ``arena_bytes`` on: a manager may keep those A rows outside its arena, under the layer's base
+weight, where the base GEMM computes their shrink (lora_core/stacked_a.py); the arena then holds
+only the first arena_bytes of each slot. The device keeps the ranks apart, in ``ranks``
+[num_modules, max_slices, max_loras], because the kernels read ranks[s, slot] with a slot stride of one.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def _aligned(nbytes: int) -> int:
 
 
 class SlotLayout:
-    def __init__(self, dims: dict[str, LocalDims], dtype: torch.dtype, bias_enabled: bool) -> None:
+    def __init__(self, dims: dict[str, LocalDims], dtype: torch.dtype, bias_enabled: bool,
+                 a_last: frozenset[str] = frozenset()) -> None:
         self.names = list(dims)
         self._index = {name: i for i, name in enumerate(self.names)}
         self.dims = dims
@@ -45,11 +49,20 @@ class SlotLayout:
         self.slot_bytes = 0
         gaps: list[torch.Tensor] = []  # alignment gaps: zeroed in every image (see padding)
         self._place(4 * len(self.names) * self.max_slices, gaps)  # the ranks header
+        a_last = frozenset(a_last)
+        if a_last - set(dims) or any(dims[name].is_embedding for name in a_last):
+            raise ValueError(f"a_last names modules that are not linear ones here: {sorted(a_last)}")
+        a_sizes = {name: math.prod(d.lora_a_shape(1)) * self.esize for name, d in dims.items()}
         for name, d in dims.items():
-            a = self._place(math.prod(d.lora_a_shape(1)) * self.esize, gaps)
+            a = None if name in a_last else self._place(a_sizes[name], gaps)
             b = self._place(math.prod(d.lora_b_shape(1)) * self.esize, gaps)
             bias = self._place(d.out_features * self.esize, gaps) if bias_enabled and not d.is_embedding else None
             self._regions[name] = (a, b, bias)
+        self.a_last = a_last
+        self.arena_bytes = self.slot_bytes  # every region but the a_last A rows
+        for name in self.names:
+            if name in a_last:
+                self._regions[name] = (self._place(a_sizes[name], gaps),) + self._regions[name][1:]
         # int64 byte offsets that no view covers: zeroed in every image, so that two images of one
         # adapter are equal byte for byte whatever their slabs held before
         self.padding = torch.cat(gaps) if gaps else torch.zeros(0, dtype=torch.int64)
@@ -62,17 +75,33 @@ class SlotLayout:
             gaps.append(torch.arange(end, self.slot_bytes))
         return start
 
+    def a_shape(self, name: str) -> tuple[int, int, int]:
+        """[S, R_a, in]: a linear module's A rows in one slot."""
+        d = self.dims[name]
+        return len(d.out_slices), d.rank_a, d.in_features
+
+    def image_a(self, slab: torch.Tensor, name: str) -> torch.Tensor:
+        """A linear module's A rows [S, R_a, in] in a slot image (uint8 [slot_bytes]), a view."""
+        size = self.a_shape(name)
+        typed = slab.view(self.dtype)
+        return typed.as_strided(size, (size[1] * size[2], size[2], 1),
+                                typed.storage_offset() + self._regions[name][0] // self.esize)
+
     def index(self, name: str) -> int:
         """The module's row in the ranks header and in LoRAModelManager's ranks tensor."""
         return self._index[name]
 
-    def slot_views(self, arena: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """arena: uint8 [num_slots, slot_bytes] -> name -> (lora_a, lora_b, bias) as LoRASlotBuffers holds them."""
-        if arena.dim() != 2 or arena.shape[1] != self.slot_bytes or arena.dtype != torch.uint8:
-            raise ValueError(f"expected a uint8 arena [slots, {self.slot_bytes}], got {arena.dtype} "
-                             f"{tuple(arena.shape)}")
+    def slot_views(self, arena: torch.Tensor
+                   ) -> dict[str, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]]:
+        """arena: uint8 [num_slots, slot_bytes] -> name -> (lora_a, lora_b, bias) as LoRASlotBuffers holds them.
+        An arena of [num_slots, arena_bytes] holds no a_last A rows: their lora_a is None."""
+        if arena.dim() != 2 or arena.shape[1] not in (self.slot_bytes, self.arena_bytes) \
+                or arena.dtype != torch.uint8:
+            raise ValueError(f"expected a uint8 arena [slots, {self.slot_bytes}] (or [slots, {self.arena_bytes}]), "
+                             f"got {arena.dtype} {tuple(arena.shape)}")
+        short = arena.shape[1] < self.slot_bytes
         typed = arena.view(self.dtype)
-        slots, stride = arena.shape[0], self.slot_bytes // self.esize
+        slots, stride = arena.shape[0], arena.shape[1] // self.esize
         out = {}
         for name, (a, b, bias) in self._regions.items():
             d = self.dims[name]
@@ -82,7 +111,7 @@ class SlotLayout:
                 n = len(d.out_slices)
                 a_size = (n, slots, d.rank_a, d.in_features)
                 a_stride = (d.rank_a * d.in_features, stride, d.in_features, 1)
-            out[name] = (self._view(typed, a_size, a_stride, a),
+            out[name] = (None if short and name in self.a_last else self._view(typed, a_size, a_stride, a),
                          self._view(typed, (slots, d.out_features, d.rank_b), (stride, d.rank_b, 1), b),
                          None if bias is None else self._view(typed, (slots, d.out_features), (stride, 1), bias))
         return out

@@ -25,7 +25,7 @@ padded, static-buffer step eagerly, which is how CI tests the padding.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -44,16 +44,16 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def layout_keys(sizes: list[int], set_layout: Callable[[int, int], None] | None,
-                layouts: Callable[[int], dict[tuple, int]] | None,
+def layout_keys(sizes: list[int], set_layout: Callable[[int, Any], None] | None,
+                layouts: Callable[[int], dict[tuple, Any]] | None,
                 launch_key: Callable[[], tuple | None]) -> Iterator[tuple[int, tuple]]:
     """(size, graph key) for every size, largest first (a shared pool then fits all), and every LoRA
-    layout of it: set_layout(size, adapters) sets synthetic punica metadata for each adapter count
-    that layouts(size) lists, before launch_key() is read. Both None without LoRA."""
+    layout of it: set_layout(size, layout) sets synthetic punica metadata for each layout (a
+    punica StepLayout) that layouts(size) lists, before launch_key() is read. Both None without LoRA."""
     for size in sorted(sizes, reverse=True):
-        for adapters in (layouts(size).values() if layouts else (0,)):
+        for layout in (layouts(size).values() if layouts else (None,)):
             if set_layout:
-                set_layout(size, adapters)
+                set_layout(size, layout)
             yield size, (size, launch_key())
 
 
@@ -166,12 +166,12 @@ class DecodeGraphs:
         self.graphs[key] = graph
         return graph
 
-    def capture_all(self, set_layout: Callable[[int, int], None] | None,
-                    layouts: Callable[[int], dict[tuple, int]] | None) -> int:
+    def capture_all(self, set_layout: Callable[[int, Any], None] | None,
+                    layouts: Callable[[int], dict[tuple, Any]] | None) -> int:
         """Capture every size and LoRA layout ahead of traffic, largest first (the pool then fits all).
 
         The buffers hold padding rows only while capturing, so no real KV is
-        touched. set_layout(batch, adapters) sets synthetic punica metadata and
+        touched. set_layout(batch, layout) sets synthetic punica metadata and
         layouts(batch) lists the layouts to cover; both None without LoRA.
         """
         if not self.capture:

@@ -51,12 +51,18 @@ class EngineArgs:
     # into the base weights until a step needs another (replicas/lora_merge.py). Keeps a copy of the base
     # linear weights on the device (about the model's size again). 0: never merge.
     lora_merge_steps: int = 0
+    # Steps of up to this many token rows compute the LoRA shrink in the base GEMMs, from A rows stacked
+    # under the base weights (lora_core/stacked_a.py): one latency-bound kernel less per layer and
+    # projection. None: 256 on CUDA, 0 (off) on CPU and with fully_sharded_loras under TP.
+    lora_stacked_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
         if self.lora_merge_steps < 0:
             raise ValueError(f"lora_merge_steps must be >= 0 (0: never merge), got {self.lora_merge_steps}")
+        if self.lora_stacked_max_tokens is not None and self.lora_stacked_max_tokens < 0:
+            raise ValueError(f"lora_stacked_max_tokens must be >= 0 (0: off), got {self.lora_stacked_max_tokens}")
         if self.lora_merge_steps and not self.enable_lora:
             raise ValueError("lora_merge_steps merges adapters: it needs enable_lora=True")
 

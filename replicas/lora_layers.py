@@ -12,11 +12,20 @@ input and replicate B, each rank adding its partial LoRA before the base
 all-reduce: no extra collective. With it, nothing is replicated: column
 layers all-gather the [S, T, r/tp] shrink buffer, row layers all-reduce the
 [T, r] one and expand into their slice of the output.
+
+Stacked A (lora_core/stacked_a.py; not with fully_sharded_loras under TP): a
+linear layer's A slots sit as extra rows under its base weight, so steps of
+up to PunicaWrapper.stacked_max_tokens rows run one GEMM for the base output
+and every slot's shrink, then the expand; larger steps run base GEMM, shrink
+and expand as above, the shrink reading A from those same rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lora_core.config import LoRAConfig
@@ -24,21 +33,56 @@ from lora_core.errors import LoRAConfigError
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
 from lora_core.punica import PunicaWrapper
+from lora_core.stacked_a import a_rows, stack_bias, stack_weight
 from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replicas.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclass
+class StackedWeight:
+    """A linear layer's base weight with its A slots stacked under it (lora_core/stacked_a.py)."""
+    weight: torch.Tensor  # [out + slots * per_slot, in]; the layer's weight is a view of the first out rows
+    bias: torch.Tensor | None  # the base bias zero-padded to those rows (column layers), else None
+    out: int
+    per_slot: int  # A rows of one slot: slices x max_lora_rank
+    a_rows: torch.Tensor  # [slots, S, R, in] view of the A rows, as LoRAModelManager takes them
+
+
+def stack_lora_weights(model: nn.Module, specs: list[LoRAModuleSpec], lora_config: LoRAConfig
+                       ) -> dict[str, StackedWeight]:
+    """Move every linear LoRA layer's base weight (and column bias) into a stacked weight with room for
+    max_loras A slots; the layer keeps views of its rows, so nothing else changes. One layer at a time,
+    so the model's memory grows by the A rows only."""
+    out: dict[str, StackedWeight] = {}
+    slots, rank = lora_config.max_loras, lora_config.max_lora_rank
+    for spec in specs:
+        if spec.kind is not LoRAKind.LINEAR:
+            continue
+        base = model.get_submodule(spec.name)
+        slices = len(spec.out_slices)
+        stacked = stack_weight(base.weight.data, slots, slices, rank)
+        rows = base.weight.shape[0]
+        base.weight = nn.Parameter(stacked[:rows], requires_grad=False)
+        bias = None
+        if isinstance(base, ColumnParallelLinear) and base.bias is not None:
+            bias = stack_bias(base.bias.data, stacked)
+            base.bias = nn.Parameter(bias[:rows], requires_grad=False)
+        out[spec.name] = StackedWeight(stacked, bias, rows, slices * rank, a_rows(stacked, rows, slots, slices, rank))
+    return out
 
 
 class _LoRAWrapper(nn.Module):
     """Holds the base layer; attributes it lacks come from the base layer."""
 
     def __init__(self, base: nn.Module, spec: LoRAModuleSpec, manager: LoRAModelManager,
-                 punica: PunicaWrapper, fully_sharded: bool) -> None:
+                 punica: PunicaWrapper, fully_sharded: bool, stacked: StackedWeight | None = None) -> None:
         super().__init__()
         self.base = base
         self.spec = spec
         self.manager = manager
         self.punica = punica
         self.sharded = fully_sharded and base.tp_size > 1
+        self.stacked = stacked
 
     def __getattr__(self, name: str):
         try:
@@ -60,6 +104,15 @@ class _LoRAWrapper(nn.Module):
     def _linear_with_lora(self, x: torch.Tensor) -> torch.Tensor:
         """base_forward(x) plus this layer's LoRA, added in place (not fully sharded)."""
         b = self.slots
+        bound = self.punica.stacked_rows() if self.stacked is not None else None
+        if bound is not None:
+            # One GEMM for the base output and every slot's shrink below the step's slot bound.
+            st = self.stacked
+            rows = st.out + bound * st.per_slot
+            out = F.linear(x, st.weight[:rows], None if st.bias is None else st.bias[:rows])
+            y = out[:, :st.out]
+            self.punica.add_expand_stacked(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias)
+            return y
         y = self.base.base_forward(x)
         self.punica.add_lora_linear(y, x, b.lora_a, b.lora_b, b.bias, 1.0, b.output_slices, b.ranks)
         return y
@@ -84,7 +137,9 @@ class RowParallelLinearWithLoRA(_LoRAWrapper):
         if not self.punica.token_meta.num_adapters:
             return self.base.reduce(self.base.base_forward(x))
         if not self.sharded:
-            return self.base.reduce(self._linear_with_lora(x))
+            y = self._linear_with_lora(x)
+            # A stacked GEMM's y is a view with wider rows: collectives need it contiguous.
+            return self.base.reduce(y if self.base.tp_size == 1 else y.contiguous())
         y = self.base.base_forward(x)
         b = self.slots
         buf = torch.zeros(1, x.shape[0], b.lora_a.shape[2], dtype=torch.float32, device=x.device)
@@ -147,8 +202,9 @@ _WRAPPERS = {LoRAKind.EMBEDDING: VocabParallelEmbeddingWithLoRA, LoRAKind.LOGITS
 
 
 def add_lora(model: nn.Module, manager: LoRAModelManager, punica: PunicaWrapper,
-             lora_config: LoRAConfig) -> list[LoRAModuleSpec]:
-    """Wrap every layer the manager has slots for; call after the base weights are loaded."""
+             lora_config: LoRAConfig, stacked: dict[str, StackedWeight] | None = None) -> list[LoRAModuleSpec]:
+    """Wrap every layer the manager has slots for; call after the base weights are loaded. stacked: the
+    stack_lora_weights of this model, whose A rows the manager holds as those layers' slots."""
     config = getattr(model, "config", None)
     tp_size = getattr(getattr(model, "ctx", None), "tp_size", 1)
     if config is not None and tp_size > config.num_key_value_heads:
@@ -160,5 +216,6 @@ def add_lora(model: nn.Module, manager: LoRAModelManager, punica: PunicaWrapper,
         base = getattr(parent, leaf)
         cls = _WRAPPERS.get(spec.kind) or (RowParallelLinearWithLoRA if spec.shard is ShardKind.ROW
                                            else ColumnParallelLinearWithLoRA)
-        setattr(parent, leaf, cls(base, spec, manager, punica, lora_config.fully_sharded_loras))
+        setattr(parent, leaf, cls(base, spec, manager, punica, lora_config.fully_sharded_loras,
+                                  (stacked or {}).get(spec.name)))
     return list(manager.specs.values())

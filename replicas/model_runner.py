@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lora_core.config import LoRAConfig
-from lora_core.errors import UnknownLoRAError
+from lora_core.errors import LoRAConfigError, UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.model_manager import LoRAModelManager
 from lora_core.pinned_pool import physical_memory_bytes
@@ -25,7 +25,8 @@ import torch.distributed as dist
 from replicas.adapter_loads import AdapterLoads
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
-from replicas.lora_layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA, add_lora, lora_module_specs
+from replicas.lora_layers import (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA, add_lora, lora_module_specs,
+                                  stack_lora_weights)
 from replicas.lora_merge import LoRAMerger
 from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
@@ -73,6 +74,8 @@ class RunnerConfig:
     lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
     lora_host_pool: bool = True  # host-tier adapters in blocks pinned at start-up (lora_core/pinned_pool.py)
     lora_merge_steps: int = 0  # > 0: one adapter alone for this many steps runs merged (replicas/lora_merge.py)
+    # steps of up to this many token rows shrink in the base GEMMs (lora_core/stacked_a.py); None: 256 on CUDA
+    lora_stacked_max_tokens: int | None = None
 
 
 class ModelRunner:
@@ -111,6 +114,8 @@ class ModelRunner:
 
     def _setup_lora(self, cfg: RunnerConfig) -> None:
         specs = lora_module_specs(self.model)
+        stacked_tokens = self._stacked_max_tokens(cfg)
+        stacked = stack_lora_weights(self.model, specs, cfg.lora_config) if stacked_tokens else {}
         # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
         blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(cfg.lora_load_processes) + 1
         # Pinned memory is never paged out: the TP ranks' pools (one host) take at most a quarter of it.
@@ -118,16 +123,27 @@ class ModelRunner:
         self.lora_manager = LoRAModelManager(specs, cfg.lora_config, self.device, self.model_config.dtype,
                                              self.ctx.tp_rank, self.ctx.tp_size,
                                              host_pool_blocks=blocks if cfg.lora_host_pool else 0,
-                                             host_pool_max_bytes=host // 4 // self.ctx.tp_size if host else None)
+                                             host_pool_max_bytes=host // 4 // self.ctx.tp_size if host else None,
+                                             stacked_a={name: s.a_rows for name, s in stacked.items()} or None)
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
-                                    max_num_prompts=cfg.max_num_seqs)
-        add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config)
+                                    max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens)
+        add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, stacked)
         if cfg.lora_merge_steps > 0:  # before the KV budget is sized: its copy of the base weights is used memory
             linear = [m for m in self.model.modules()
                       if isinstance(m, (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA))]
             self.merger = LoRAMerger(linear, self.lora_manager, cfg.lora_merge_steps)
         self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, cfg.lora_load_processes,
                                   pin=self.device.type == "cuda")
+
+    def _stacked_max_tokens(self, cfg: RunnerConfig) -> int:
+        if cfg.lora_config.fully_sharded_loras and self.ctx.tp_size > 1:
+            if cfg.lora_stacked_max_tokens:
+                raise LoRAConfigError("lora_stacked_max_tokens needs whole A rows on every rank: not with "
+                                      "fully_sharded_loras and tensor_parallel_size > 1")
+            return 0
+        if cfg.lora_stacked_max_tokens is None:
+            return 256 if self.device.type == "cuda" else 0
+        return cfg.lora_stacked_max_tokens
 
     def _num_kv_blocks(self) -> int:
         """Blocks per rank: the fixed count, or the memory budget over one block's bytes (same on all ranks)."""

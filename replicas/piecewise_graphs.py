@@ -25,7 +25,7 @@ pieces and buffers eagerly, which is how CI tests them.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -144,11 +144,11 @@ class PiecewiseGraphs:
         self.graphs[key] = pieces
         return pieces
 
-    def capture_all(self, set_layout: Callable[[int, int], None] | None,
-                    layouts: Callable[[int], dict[tuple, int]] | None) -> int:
+    def capture_all(self, set_layout: Callable[[int, Any], None] | None,
+                    layouts: Callable[[int], dict[tuple, Any]] | None) -> int:
         """Capture every size and LoRA token layout before traffic, largest first; returns the graph count.
 
-        set_layout(size, adapters) sets synthetic punica metadata and layouts(size) lists the
+        set_layout(size, layout) sets synthetic punica metadata and layouts(size) lists the
         layouts to cover; both None without LoRA.
         """
         if not self.capture:

@@ -68,11 +68,11 @@ def capture_graphs(runner: "ModelRunner") -> int:
     punica, count = runner.punica, 0
     with torch.inference_mode():
         if runner.decode_graphs is not None:
-            count += runner.decode_graphs.capture_all(punica and punica.set_decode_layout,
+            count += runner.decode_graphs.capture_all(punica and punica.apply_layout,
                                                     punica and punica.decode_layouts)
         if runner.piecewise is not None:
             count += runner.piecewise.capture_all(
-                punica and (lambda rows, adapters: punica.set_decode_layout(rows, adapters, num_sampled=1)),
+                punica and (lambda rows, layout: punica.apply_layout(rows, layout, num_sampled=1)),
                 punica and punica.token_layouts)
     return count
 

@@ -1,6 +1,6 @@
 """Punica-style multi-LoRA ops (SGMV shrink/expand) with a plain-torch reference."""
 
 from lora_core.punica.metadata import PunicaMetadata
-from lora_core.punica.wrapper import PunicaWrapper
+from lora_core.punica.wrapper import PunicaWrapper, StepLayout
 
-__all__ = ["PunicaMetadata", "PunicaWrapper"]
+__all__ = ["PunicaMetadata", "PunicaWrapper", "StepLayout"]

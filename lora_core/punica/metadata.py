@@ -71,21 +71,25 @@ class PunicaMetadata:
         self._num_tiles = torch.zeros(1, **int32)  # real tiles of the step: the kernels deal work over them
         self.num_rows = 0
         self.num_adapters = 0  # distinct slots this step; 0 lets layers skip LoRA entirely
+        self.slot_bound = num_slots  # the step's highest slot + 1, rounded up as adapter_bound does
         self.block_m = 16
         self.use_bgmv = False
         self.max_tiles = 1
 
-    def update(self, slots: torch.Tensor, num_adapters: int) -> None:
+    def update(self, slots: torch.Tensor, num_adapters: int, slot_bound: int | None = None) -> None:
         """Take this step's slot per row (int32 on the device, -1 = none) and derive the tiles.
 
         num_adapters: distinct slots in use, known on the host. It sets the tile height and bounds the
         tile count (layout), so it must not be lower than the truth: tiles past the bound are dropped.
+        slot_bound: no row's slot is at or past it (host-known; default every slot): how many slots'
+        A rows a stacked GEMM must cover (lora_core/stacked_a.py).
         """
         n = slots.shape[0]
         if n > self.max_rows:
             raise ValueError(f"{n} rows exceed the {self.max_rows} this PunicaWrapper was sized for")
         self.num_rows = n
         self.num_adapters = num_adapters
+        self.slot_bound = self.num_slots if slot_bound is None else slot_bound
         self.block_m, self.use_bgmv, self.max_tiles = self.layout(n, num_adapters)
         if n == 0:
             return

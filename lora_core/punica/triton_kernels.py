@@ -142,7 +142,7 @@ def expand_kernel(
     buf_ptr, b_ptr, y_ptr, ranks_ptr, slice_off_ptr, bias_ptr,
     sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     y_col_offset, shrink_splits, split_cap, shrink_target, n_blocks, target,
-    sb_split, sb_s, sb_t, sb_r,
+    sb_split, sb_s, sb_t, sb_r, sb_l,
     sw_l, sw_n, sw_r,
     sy_t, sy_n,
     sr_s, sbias_l,
@@ -185,7 +185,8 @@ def expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     xb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    buf_ptrs = buf_ptr + s * sb_s + tok[:, None].to(tl.int64) * sb_t + offs_r[None, :] * sb_r
+    buf_ptrs = (buf_ptr + lora.to(tl.int64) * sb_l + s * sb_s + tok[:, None].to(tl.int64) * sb_t
+                + offs_r[None, :] * sb_r)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the shrink's output is complete and visible from here on
     for sp in range(split_k):
@@ -268,7 +269,7 @@ def bgmv_shrink_kernel(
 def bgmv_expand_kernel(
     buf_ptr, b_ptr, y_ptr, ranks_ptr, slice_off_ptr, bias_ptr, slots_ptr,
     y_col_offset, n_per_prog,
-    sb_split, sb_s, sb_t, sb_r,
+    sb_split, sb_s, sb_t, sb_r, sb_l,
     sw_l, sw_n, sw_r,
     sy_t, sy_n,
     sr_s, sbias_l,
@@ -309,8 +310,8 @@ def bgmv_expand_kernel(
     if ADD_INPUTS:  # after the wait: the shrink's wait covers the kernel that wrote y
         y_old = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     offs_sp = tl.arange(0, SPLIT_K)
-    parts = tl.load(buf_ptr + offs_sp[:, None] * sb_split + s * sb_s + t.to(tl.int64) * sb_t + offs_r[None, :] * sb_r,
-                    mask=r_mask[None, :], other=0.0)
+    parts = tl.load(buf_ptr + slot.to(tl.int64) * sb_l + offs_sp[:, None] * sb_split + s * sb_s
+                    + t.to(tl.int64) * sb_t + offs_r[None, :] * sb_r, mask=r_mask[None, :], other=0.0)
     xb = tl.sum(parts, axis=0)
     acc = tl.sum(w.to(tl.float32) * xb[None, :], axis=1) + y_old
     if HAS_BIAS:

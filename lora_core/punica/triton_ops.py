@@ -156,7 +156,8 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
 
 def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
            slice_offsets: torch.Tensor, max_slice: int, meta: PunicaMetadata, offset_start: int,
-           bias: torch.Tensor | None, add_inputs: bool, use_pdl: bool = False, shrink_splits: int = 1) -> None:
+           bias: torch.Tensor | None, add_inputs: bool, use_pdl: bool = False, shrink_splits: int = 1,
+           buf_slot_stride: int = 0) -> None:
     """y[:, offset_start + slice] (+)= sum over splits of buf [split, S, T, R] @ lora_b [L, N, R]^T.
 
     use_pdl: launched right after this step's shrink, which triggered it. shrink_splits: that
@@ -170,7 +171,7 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
         bgmv_expand_kernel[(meta.num_rows, -(-max_slice // n_per_prog), num_slices)](
             buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b, meta.slots,
             offset_start, n_per_prog,
-            *buf.stride(),
+            *buf.stride(), buf_slot_stride,
             *lora_b.stride(),
             y.stride(0), y.stride(1),
             ranks.stride(0), bias.stride(0) if bias is not None else 0,
@@ -185,7 +186,7 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
         meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end, meta.num_tiles,
         offset_start, shrink_splits, split_k, _deal_target(DEAL_SHRINK_PROGRAMS, meta), -(-max_slice // block_n),
         _deal_target(DEAL_EXPAND_PROGRAMS, meta),
-        *buf.stride(),
+        *buf.stride(), buf_slot_stride,
         *lora_b.stride(),
         y.stride(0), y.stride(1),
         ranks.stride(0), bias.stride(0) if bias is not None else 0,

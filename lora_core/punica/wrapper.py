@@ -15,22 +15,31 @@ LoRAMapping, so it never syncs; a CUDA graph is captured per choice).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.punica import torch_ops
-from lora_core.punica.metadata import PunicaMetadata
+from lora_core.punica.metadata import PunicaMetadata, adapter_bound
+from lora_core.stacked_a import gather_shrunk
 
 BACKENDS = ("auto", "triton", "torch")
+
+
+class StepLayout(NamedTuple):
+    """What set_decode_layout needs to give a synthetic step a launch key: its adapters and slot bound."""
+    num_adapters: int
+    slot_bound: int | None = None
 
 
 class PunicaWrapper:
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str,
                  max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32,
-                 use_pdl: bool | None = None) -> None:
+                 use_pdl: bool | None = None, stacked_max_tokens: int = 0) -> None:
+        """stacked_max_tokens: steps of up to this many token rows compute the shrink of layers with stacked
+        A rows in their base GEMM (stacked_rows, add_expand_stacked); larger ones run the shrink kernel."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.device = torch.device(device)
@@ -45,6 +54,7 @@ class PunicaWrapper:
         self.use_pdl = (backend == "triton" and self.device.type == "cuda"
                         and triton_ops.pdl_supported(self.device.index or 0)) if use_pdl is None else use_pdl
         self.max_loras = max_loras
+        self.stacked_max_tokens = stacked_max_tokens
         self.token_meta = PunicaMetadata(max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.is_prefill = False
@@ -63,14 +73,15 @@ class PunicaWrapper:
             raise ValueError(f"PunicaWrapper was built for {self.max_loras} slots, not {max_loras}")
         slot_of = {lora_id: slot for slot, lora_id in enumerate(lora_index_to_id) if lora_id is not None}
 
-        def to_slots(ids: tuple[int, ...], what: str) -> tuple[torch.Tensor, int]:
+        def to_slots(ids: tuple[int, ...], what: str) -> tuple[torch.Tensor, int, int]:
             try:
                 slots = [slot_of[i] if i else -1 for i in ids]
             except KeyError as exc:
                 raise UnknownLoRAError(f"LoRAMapping.{what} uses lora id {exc.args[0]}, "
                                        "which holds no GPU slot; activate it first") from None
             host = torch.tensor(slots, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            return host.to(self.device, non_blocking=True), len(set(slots) - {-1})
+            bound = adapter_bound(max(slots, default=-1) + 1, self.max_loras)
+            return host.to(self.device, non_blocking=True), len(set(slots) - {-1}), bound
 
         self.token_meta.update(*to_slots(mapping.index_mapping, "index_mapping"))
         self.sampler_meta.update(*to_slots(mapping.prompt_mapping, "prompt_mapping"))
@@ -84,37 +95,69 @@ class PunicaWrapper:
     def token_launch_key(self) -> tuple:
         """The token rows' part of launch_key: all that a graph of the layers (no LM head) freezes."""
         t = self.token_meta
-        return t.launch_key(t.num_rows, t.num_adapters)
+        return t.launch_key(t.num_rows, t.num_adapters) + self._stacked_key(t.num_rows, t.num_adapters, t.slot_bound)
 
-    def token_layouts(self, num_rows: int) -> dict[tuple, int]:
-        """Every token_launch_key of a step of num_rows token rows -> an adapter count giving it."""
-        return self._layouts(num_rows, (self.token_meta,))
+    def _stacks(self, num_rows: int, num_adapters: int) -> bool:
+        return 0 < num_adapters and num_rows <= self.stacked_max_tokens
 
-    def decode_layouts(self, num_rows: int) -> dict[tuple, int]:
-        """Every launch key a decode step of num_rows sequences can have -> an adapter count giving it."""
-        return self._layouts(num_rows, (self.token_meta, self.sampler_meta))
+    def _stacked_key(self, num_rows: int, num_adapters: int, slot_bound: int) -> tuple:
+        return (slot_bound,) if self._stacks(num_rows, num_adapters) else ()
 
-    def _layouts(self, num_rows: int, metas: tuple[PunicaMetadata, ...]) -> dict[tuple, int]:
-        out: dict[tuple, int] = {}
+    def stacked_rows(self) -> int | None:
+        """Slots whose stacked A rows this step's GEMMs cover (its slot bound), or None: the step is too
+        large (or has no adapter) and stacked layers run the shrink kernel instead."""
+        t = self.token_meta
+        return t.slot_bound if self._stacks(t.num_rows, t.num_adapters) else None
+
+    def token_layouts(self, num_rows: int) -> dict[tuple, StepLayout]:
+        """Every token_launch_key of a step of num_rows token rows -> a layout giving it (apply_layout)."""
+        return self._layouts(num_rows, with_sampler=False)
+
+    def decode_layouts(self, num_rows: int) -> dict[tuple, StepLayout]:
+        """Every launch key a decode step of num_rows sequences can have -> a layout giving it."""
+        return self._layouts(num_rows, with_sampler=True)
+
+    def _layouts(self, num_rows: int, with_sampler: bool) -> dict[tuple, StepLayout]:
+        out: dict[tuple, StepLayout] = {}
         for adapters in range(min(num_rows, self.max_loras) + 1):
-            out.setdefault(sum((m.launch_key(num_rows, adapters) for m in metas), ()), adapters)
+            bounds: list[int | None] = [None]
+            if self._stacks(num_rows, adapters):  # every power of four from the adapters' own bound up
+                bounds = [adapter_bound(adapters, self.max_loras)]
+                while bounds[-1] < self.max_loras:
+                    bounds.append(adapter_bound(bounds[-1] + 1, self.max_loras))
+            for bound in bounds:
+                key = self.token_meta.launch_key(num_rows, adapters)
+                if bound is not None:
+                    key += self._stacked_key(num_rows, adapters, bound)
+                if with_sampler:
+                    key += self.sampler_meta.launch_key(num_rows, adapters)
+                out.setdefault(key, StepLayout(adapters, bound))
         return out
 
-    def set_decode_layout(self, num_rows: int, num_adapters: int, num_sampled: int | None = None) -> None:
-        """Metadata of a synthetic step: num_rows rows over num_adapters slots (0: no LoRA).
+    def apply_layout(self, num_rows: int, layout: StepLayout, num_sampled: int | None = None) -> None:
+        """set_decode_layout for one of token_layouts' or decode_layouts' values."""
+        self.set_decode_layout(num_rows, layout.num_adapters, num_sampled, slot_bound=layout.slot_bound)
+
+    def set_decode_layout(self, num_rows: int, num_adapters: int, num_sampled: int | None = None,
+                          slot_bound: int | None = None) -> None:
+        """Metadata of a synthetic step: num_rows rows over num_adapters slots (0: no LoRA), the highest
+        of them slot_bound - 1 (default: num_adapters - 1).
 
         For warming up before traffic (compiling kernels, capturing CUDA
         graphs): both depend on the launch parameters only, not on which
         weights the slots hold. num_sampled rows (default: all, as in decode)
         go through the LM head.
         """
+        top = max(num_adapters, slot_bound or 0)
+
         def slots(n: int) -> torch.Tensor:
-            ids = [i % num_adapters if num_adapters else -1 for i in range(n)]
+            ids = [top - num_adapters + i % num_adapters if num_adapters else -1 for i in range(n)]
             return torch.tensor(ids, dtype=torch.int32).to(self.device)
 
         sampled = num_rows if num_sampled is None else num_sampled
-        self.token_meta.update(slots(num_rows), num_adapters)
-        self.sampler_meta.update(slots(sampled), min(num_adapters, sampled))
+        bound = adapter_bound(top, self.max_loras)
+        self.token_meta.update(slots(num_rows), num_adapters, bound)
+        self.sampler_meta.update(slots(sampled), min(num_adapters, sampled), bound)
         self.is_prefill = num_sampled is not None
 
     # ---- the ops --------------------------------------------------------------------------
@@ -181,6 +224,32 @@ class PunicaWrapper:
         self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
                             meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
                             shrink_splits=split_k)
+
+    def add_expand_stacked(self, y: torch.Tensor, shrunk: torch.Tensor, lora_b_stacked: torch.Tensor,
+                           output_slices: tuple[int, ...], ranks: torch.Tensor,
+                           lora_bias_stacked: torch.Tensor | None = None) -> None:
+        """y [T, sum(n_k)] += per slice k: shrunk[t, slot's slice k] @ B[slot, slice k]^T (+ bias).
+
+        shrunk [T, >= slot_bound * S * R] is every slot's shrink as a stacked GEMM wrote it, slot-major
+        (lora_core/stacked_a.py): the expand reads each row's own slot's columns of it.
+        """
+        meta = self.token_meta
+        num_slices, rank = len(output_slices), lora_b_stacked.shape[2]
+        self._check_slices(lora_b_stacked, output_slices, num_slices)
+        if shrunk.shape[0] != meta.num_rows or shrunk.shape[1] < meta.slot_bound * num_slices * rank:
+            raise ValueError(f"shrunk {tuple(shrunk.shape)} does not hold {meta.num_rows} rows of "
+                             f"{meta.slot_bound} slots x {num_slices} slices x rank {rank}")
+        if self.backend == "torch":
+            buf = gather_shrunk(shrunk, meta.slots, num_slices, rank)
+            torch_ops.expand(y, buf, lora_b_stacked, meta.slots, ranks, tuple(output_slices), 0, lora_bias_stacked)
+            return
+        if meta.num_rows == 0:
+            return
+        col = shrunk.stride(1)
+        buf = shrunk.as_strided((1, num_slices, meta.num_rows, rank), (0, rank * col, shrunk.stride(0), col))
+        self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
+                            meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
+                            buf_slot_stride=num_slices * rank * col)
 
     def add_lora_embedding(self, y: torch.Tensor, token_ids: torch.Tensor, lora_a_stacked: torch.Tensor,
                            lora_b_stacked: torch.Tensor, ranks: torch.Tensor | None = None,

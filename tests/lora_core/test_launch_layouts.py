@@ -16,10 +16,10 @@ def test_decode_layouts_cover_every_adapter_count():
         for adapters in range(min(rows, 8) + 1):
             wrapper.set_decode_layout(rows, adapters)
             assert wrapper.launch_key() in layouts
-        for key, adapters in layouts.items():
-            wrapper.set_decode_layout(rows, adapters)
+        for key, layout in layouts.items():
+            wrapper.apply_layout(rows, layout)
             assert wrapper.launch_key() == key
-            assert wrapper.token_meta.num_rows == rows and wrapper.token_meta.num_adapters == adapters
+            assert wrapper.token_meta.num_rows == rows and wrapper.token_meta.num_adapters == layout.num_adapters
     # no adapter, BGMV (adapters barely shared) and SGMV tiles are all reachable at 16 rows with 8 slots
     keys = wrapper.decode_layouts(16)
     assert (16, 0, 16, 0) in keys

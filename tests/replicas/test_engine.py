@@ -93,12 +93,28 @@ def test_fewer_slots_than_adapters_still_exact(demo, batch, hf_reference):
     _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
 
 
-@pytest.mark.parametrize("fully_sharded", [False, True], ids=["replicated", "fully_sharded"])
-def test_tensor_parallel_matches_hf_peft(demo, batch, hf_reference, fully_sharded):
+@pytest.mark.parametrize("max_loras,stacked_max_tokens", [(4, 256), (2, 8)])
+def test_shrink_in_the_base_gemm_matches_hf_peft(demo, batch, hf_reference, max_loras, stacked_max_tokens):
+    """A rows stacked under the base weights (lora_core/stacked_a.py): steps of up to stacked_max_tokens rows
+    shrink in the base GEMM, larger ones (the prompts, at 8) run the shrink kernel on those rows; with two
+    slots for four adapters every slot's rows are rewritten as adapters come and go."""
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=max_loras, max_lora_rank=32, max_cpu_loras=4,
+              dtype="float32", lora_stacked_max_tokens=stacked_max_tokens)
+    runner = llm.engine.executor.runner
+    assert runner.punica.stacked_max_tokens == stacked_max_tokens
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.stacked is not None and qkv.base.weight.data_ptr() == qkv.stacked.weight.data_ptr()
+    _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
+
+
+@pytest.mark.parametrize("fully_sharded,stacked", [(False, 0), (True, 0), (False, 256)],
+                         ids=["replicated", "fully_sharded", "replicated-stacked"])
+def test_tensor_parallel_matches_hf_peft(demo, batch, hf_reference, fully_sharded, stacked):
     # NCCL over two GPUs where there are two (the 2 x H200 device), else gloo over CPU processes
     device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
     llm = LLM(str(demo.model_dir), tensor_parallel_size=2, enable_lora=True, max_loras=4, max_lora_rank=32,
-              fully_sharded_loras=fully_sharded, dtype="float32", device=device)
+              fully_sharded_loras=fully_sharded, dtype="float32", device=device,
+              lora_stacked_max_tokens=stacked)
     try:
         _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
     finally:
