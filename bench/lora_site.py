@@ -1,12 +1,14 @@
 """One LoRA site as a layer runs it: the base GEMM, then add_lora_linear (GPU).
 
-For Llama-3-8B projections at decode-sized steps, each case times three CUDA graphs, replayed with
+For Llama-3-8B projections at decode-sized steps, each case times four CUDA graphs, replayed with
 L2 flushed between them (bench/kernels.py's helpers):
   base     y = x @ W^T (cuBLAS)
   no-pdl   base, then add_lora_linear with programmatic dependent launch off
   pdl      the same with it on (PunicaWrapper's default on Hopper)
-and prints each LoRA's extra time over base, and pdl's over no-pdl's. A decode step runs each
-projection once per layer (32 layers on 8B), so d us saved per site is ~32 d us per step. Run the
+  stacked  one GEMM over W and the A rows of the slots below the step's slot bound, then
+           add_expand_stacked (lora_core/stacked_a.py; the engine's path for steps of <= 256 rows)
+and prints each LoRA's extra time over base, and pdl's and stacked's over no-pdl's. A decode step runs
+each projection once per layer (32 layers on 8B), so d us saved per site is ~32 d us per step. Run the
 same script in another tree (git archive) to compare kernels side by side in one device call.
 
     python bench/lora_site.py [--sites qkv o gate_up down] [--tokens 1 8 32 64 256] [--ranks 16 64]
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.kernels import graph_of, time_graph  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper  # noqa: E402
+from lora_core.stacked_a import a_rows, stack_weight  # noqa: E402
 from tests.lora_core.punica_cases import stacked_weights, token_slots  # noqa: E402
 
 SLOTS = 32
@@ -31,8 +34,8 @@ SITES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (40
          "down": (14336, (4096,))}
 
 
-def run_case(site: str, tokens: int, rank: int, popularity: str) -> tuple[float, float, float, float]:
-    """(base us, no-pdl us, pdl us, max relative difference pdl vs no-pdl)."""
+def run_case(site: str, tokens: int, rank: int, popularity: str) -> tuple[list[float], float, int]:
+    """([base, no-pdl, pdl, stacked] us, max relative difference of pdl and stacked vs no-pdl, slot bound)."""
     g = torch.Generator().manual_seed(tokens * 131 + rank)
     dtype = torch.bfloat16
     hidden, slices = SITES[site]
@@ -43,8 +46,12 @@ def run_case(site: str, tokens: int, rank: int, popularity: str) -> tuple[float,
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     w = torch.randn(sum(slices), hidden, device="cuda", dtype=dtype) / hidden ** 0.5
     wrappers = [PunicaWrapper(max(tokens, 16), SLOTS, "cuda", backend="triton", use_pdl=pdl) for pdl in (False, True)]
+    wrappers.append(PunicaWrapper(max(tokens, 16), SLOTS, "cuda", backend="triton", stacked_max_tokens=tokens))
     for wrapper in wrappers:
         wrapper.update_metadata(mapping, ids)
+    stacked = stack_weight(w, SLOTS, len(slices), rank)
+    a_rows(stacked, w.shape[0], SLOTS, len(slices), rank).copy_(a.transpose(0, 1))
+    bound = wrappers[2].stacked_rows()
 
     def site(wrapper):
         def run():
@@ -53,11 +60,16 @@ def run_case(site: str, tokens: int, rank: int, popularity: str) -> tuple[float,
             return y
         return run
 
-    runs = [lambda: torch.nn.functional.linear(x, w)] + [site(wr) for wr in wrappers]
-    want, got = runs[1]().float(), runs[2]().float()
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    times = [time_graph(graph_of(fn)) for fn in runs]
-    return times[0], times[1], times[2], err
+    def stacked_site():
+        out = torch.nn.functional.linear(x, stacked[:w.shape[0] + bound * len(slices) * rank])
+        y = out[:, :w.shape[0]]
+        wrappers[2].add_expand_stacked(y, out[:, w.shape[0]:], b, slices, ranks)
+        return y
+
+    runs = [lambda: torch.nn.functional.linear(x, w)] + [site(wr) for wr in wrappers[:2]] + [stacked_site]
+    want = runs[1]().float()
+    err = max(((run().float() - want).abs().max() / want.abs().max()).item() for run in runs[2:])
+    return [time_graph(graph_of(fn)) for fn in runs], err, bound
 
 
 def main() -> None:
@@ -67,20 +79,21 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     p.add_argument("--pops", nargs="+", default=["identical", "distinct"])
     a = p.parse_args()
-    print(f"{'site':8}{'r':>4}{'T':>5} {'popularity':10}{'base us':>9}{'no-pdl +':>10}{'pdl +':>9}"
-          f"{'pdl/no':>8}{'relerr':>9}")
-    totals = [0.0, 0.0]
+    print(f"{'site':8}{'r':>4}{'T':>5} {'popularity':10}{'bound':>6}{'base us':>9}{'no-pdl +':>10}{'pdl +':>9}"
+          f"{'stacked +':>11}{'pdl/no':>8}{'stk/no':>8}{'relerr':>9}")
+    totals = [0.0, 0.0, 0.0]
     for site in a.sites:
         for rank in a.ranks:
             for tokens in a.tokens:
                 for pop in a.pops:
-                    base, nopdl, pdl, err = run_case(site, tokens, rank, pop)
-                    totals[0] += nopdl - base
-                    totals[1] += pdl - base
-                    print(f"{site:8}{rank:>4}{tokens:>5} {pop:10}{base:>9.2f}{nopdl - base:>10.2f}{pdl - base:>9.2f}"
-                          f"{(pdl - base) / max(nopdl - base, 1e-3):>8.2f}{err:>9.1e}", flush=True)
+                    (base, *lora), err, bound = run_case(site, tokens, rank, pop)
+                    extra = [t - base for t in lora]
+                    totals = [tot + e for tot, e in zip(totals, extra)]
+                    print(f"{site:8}{rank:>4}{tokens:>5} {pop:10}{bound:>6}{base:>9.2f}{extra[0]:>10.2f}{extra[1]:>9.2f}"
+                          f"{extra[2]:>11.2f}{extra[1] / max(extra[0], 1e-3):>8.2f}"
+                          f"{extra[2] / max(extra[0], 1e-3):>8.2f}{err:>9.1e}", flush=True)
     print(f"sum of LoRA extra over all cases: no-pdl {totals[0]:.1f} us, pdl {totals[1]:.1f} us "
-          f"(ratio {totals[1] / max(totals[0], 1e-3):.2f})")
+          f"({totals[1] / max(totals[0], 1e-3):.2f}), stacked {totals[2]:.1f} us ({totals[2] / max(totals[0], 1e-3):.2f})")
 
 
 if __name__ == "__main__":

@@ -140,13 +140,18 @@ def test_tensor_parallel_ranks_merge_their_own_shards(demo, loras):
         llm.shutdown()
 
 
-def test_settings_that_cannot_merge_are_refused(demo):
+def test_settings_that_need_whole_a_rows_on_every_rank_are_refused(demo):
     with pytest.raises(ValueError, match="lora_merge_steps"):
         EngineArgs(model="m", lora_merge_steps=-1)
     with pytest.raises(ValueError, match="enable_lora"):
         EngineArgs(model="m", lora_merge_steps=4)
     with pytest.raises(LoRAConfigError, match="fully-sharded"):
         _llm(demo, tensor_parallel_size=2, fully_sharded_loras=True, lora_merge_steps=4, device="cpu")
+    # stacked A rows (lora_core/stacked_a.py) need whole A rows on every rank too
+    with pytest.raises(ValueError, match="lora_stacked_max_tokens"):
+        EngineArgs(model="m", lora_stacked_max_tokens=-1)
+    with pytest.raises(LoRAConfigError, match="lora_stacked_max_tokens needs whole A rows"):
+        _llm(demo, tensor_parallel_size=2, fully_sharded_loras=True, lora_stacked_max_tokens=16, device="cpu")
     # the refused engine's workers and process group are gone: the next TP engine in this process starts
     llm = _llm(demo, tensor_parallel_size=2, device="cpu")
     try:
