@@ -23,6 +23,17 @@ import torch
 from lora_core.errors import LoRAConfigError
 from lora_core.slot_layout import SlotLayout
 
+# Idle slots below a step's bound cost the GEMM their A rows. Past about this many idle rank rows per slice
+# (40 rank-16 slots, 10 rank-64 ones) reading them takes longer than the shrink kernel they replace: on an
+# H200 a rank-64 step of 8 rows over 5 adapters in slots up to 31 ran its qkv LoRA in 20.1 us stacked
+# against 14.3 us with the shrink kernel, while rank 16 broke even there (bench/lora_site.py, RESULTS.md).
+IDLE_RANK_ROWS = 640
+
+
+def max_idle_slots(max_rank: int) -> int:
+    """Idle slots below the bound a stacked step may carry (PunicaWrapper(stacked_max_idle_slots=...))."""
+    return max(1, IDLE_RANK_ROWS // max_rank)
+
 
 def stack_weight(weight: torch.Tensor, num_slots: int, num_slices: int, rank: int) -> torch.Tensor:
     """A new [out + num_slots*num_slices*rank, in] tensor: ``weight``'s rows, then zeroed A rows."""

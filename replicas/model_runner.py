@@ -20,6 +20,7 @@ from lora_core.model_manager import LoRAModelManager
 from lora_core.pinned_pool import physical_memory_bytes
 from lora_core.punica import PunicaWrapper
 from lora_core.request import LoRARequest
+from lora_core.stacked_a import max_idle_slots
 import torch.distributed as dist
 
 from replicas.adapter_loads import AdapterLoads
@@ -126,7 +127,8 @@ class ModelRunner:
                                              host_pool_max_bytes=host // 4 // self.ctx.tp_size if host else None,
                                              stacked_a={name: s.a_rows for name, s in stacked.items()} or None)
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
-                                    max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens)
+                                    max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens,
+                                    stacked_max_idle_slots=max_idle_slots(cfg.lora_config.max_lora_rank))
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, stacked)
         if cfg.lora_merge_steps > 0:  # before the KV budget is sized: its copy of the base weights is used memory
             linear = [m for m in self.model.modules()

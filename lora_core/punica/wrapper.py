@@ -37,9 +37,12 @@ class StepLayout(NamedTuple):
 class PunicaWrapper:
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str,
                  max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32,
-                 use_pdl: bool | None = None, stacked_max_tokens: int = 0) -> None:
+                 use_pdl: bool | None = None, stacked_max_tokens: int = 0,
+                 stacked_max_idle_slots: int | None = None) -> None:
         """stacked_max_tokens: steps of up to this many token rows compute the shrink of layers with stacked
-        A rows in their base GEMM (stacked_rows, add_expand_stacked); larger ones run the shrink kernel."""
+        A rows in their base GEMM (stacked_rows, add_expand_stacked); larger ones run the shrink kernel, as
+        do steps with more than stacked_max_idle_slots unused slots below their slot bound (None: no limit;
+        stacked_a.max_idle_slots gives it for a rank)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.device = torch.device(device)
@@ -55,6 +58,7 @@ class PunicaWrapper:
                         and triton_ops.pdl_supported(self.device.index or 0)) if use_pdl is None else use_pdl
         self.max_loras = max_loras
         self.stacked_max_tokens = stacked_max_tokens
+        self.stacked_max_idle_slots = max_loras if stacked_max_idle_slots is None else stacked_max_idle_slots
         self.token_meta = PunicaMetadata(max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.is_prefill = False
@@ -97,17 +101,19 @@ class PunicaWrapper:
         t = self.token_meta
         return t.launch_key(t.num_rows, t.num_adapters) + self._stacked_key(t.num_rows, t.num_adapters, t.slot_bound)
 
-    def _stacks(self, num_rows: int, num_adapters: int) -> bool:
-        return 0 < num_adapters and num_rows <= self.stacked_max_tokens
+    def _stacks(self, num_rows: int, num_adapters: int, slot_bound: int) -> bool:
+        return (0 < num_adapters and num_rows <= self.stacked_max_tokens
+                and slot_bound - num_adapters <= self.stacked_max_idle_slots)
 
     def _stacked_key(self, num_rows: int, num_adapters: int, slot_bound: int) -> tuple:
-        return (slot_bound,) if self._stacks(num_rows, num_adapters) else ()
+        return (slot_bound,) if self._stacks(num_rows, num_adapters, slot_bound) else ()
 
     def stacked_rows(self) -> int | None:
         """Slots whose stacked A rows this step's GEMMs cover (its slot bound), or None: the step is too
-        large (or has no adapter) and stacked layers run the shrink kernel instead."""
+        large, has no adapter or too many idle slots below its bound, and stacked layers run the shrink
+        kernel instead."""
         t = self.token_meta
-        return t.slot_bound if self._stacks(t.num_rows, t.num_adapters) else None
+        return t.slot_bound if self._stacks(t.num_rows, t.num_adapters, t.slot_bound) else None
 
     def token_layouts(self, num_rows: int) -> dict[tuple, StepLayout]:
         """Every token_launch_key of a step of num_rows token rows -> a layout giving it (apply_layout)."""
@@ -120,15 +126,11 @@ class PunicaWrapper:
     def _layouts(self, num_rows: int, with_sampler: bool) -> dict[tuple, StepLayout]:
         out: dict[tuple, StepLayout] = {}
         for adapters in range(min(num_rows, self.max_loras) + 1):
-            bounds: list[int | None] = [None]
-            if self._stacks(num_rows, adapters):  # every power of four from the adapters' own bound up
-                bounds = [adapter_bound(adapters, self.max_loras)]
-                while bounds[-1] < self.max_loras:
-                    bounds.append(adapter_bound(bounds[-1] + 1, self.max_loras))
+            bounds = [adapter_bound(adapters, self.max_loras)]  # and every power of four above it
+            while bounds[-1] < self.max_loras:
+                bounds.append(adapter_bound(bounds[-1] + 1, self.max_loras))
             for bound in bounds:
-                key = self.token_meta.launch_key(num_rows, adapters)
-                if bound is not None:
-                    key += self._stacked_key(num_rows, adapters, bound)
+                key = self.token_meta.launch_key(num_rows, adapters) + self._stacked_key(num_rows, adapters, bound)
                 if with_sampler:
                     key += self.sampler_meta.launch_key(num_rows, adapters)
                 out.setdefault(key, StepLayout(adapters, bound))

@@ -17,7 +17,7 @@ from lora_core.mapping import LoRAMapping
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind
 from lora_core.punica import PunicaWrapper, StepLayout
-from lora_core.stacked_a import a_rows, gather_shrunk, stack_bias, stack_weight
+from lora_core.stacked_a import a_rows, gather_shrunk, max_idle_slots, stack_bias, stack_weight
 from tests.lora_core.punica_cases import stacked_weights, token_slots
 from tests.lora_core.test_model_manager import MAX_RANK, SPECS, assert_slot_holds, make_lora, manager
 
@@ -159,7 +159,7 @@ def test_launch_layouts_cover_every_slot_bound():
         for key, layout in layouts.items():
             w.apply_layout(rows, layout)
             assert w.launch_key() == key
-            if layout.slot_bound is not None:
+            if layout.num_adapters:
                 assert int(w.token_meta.slots.max()) == layout.slot_bound - 1
         # a real step whose slots reach far up finds its key among them
         ids = list(range(1, 33))
@@ -169,5 +169,25 @@ def test_launch_layouts_cover_every_slot_bound():
     # one adapter at 8 rows: one key per slot bound (1, 4, 16, 32); past 16 rows no bound enters the key
     ones = [layout for layout in w.decode_layouts(8).values() if layout.num_adapters == 1]
     assert sorted(layout.slot_bound for layout in ones) == [1, 4, 16, 32]
-    assert {layout.slot_bound for layout in w.decode_layouts(32).values()} == {None}
+    assert w.decode_layouts(32).keys() == PunicaWrapper(64, 32, "cpu", max_num_prompts=64).decode_layouts(32).keys()
     assert StepLayout(3).slot_bound is None
+
+
+def test_steps_with_many_idle_slots_below_their_bound_run_the_shrink_kernel():
+    """Rank 64 (max_idle_slots 10): one adapter in slot 20 would make the GEMM read 31 idle slots' A rows."""
+    assert max_idle_slots(16) == 40 and max_idle_slots(64) == 10
+    w = PunicaWrapper(64, 32, "cpu", max_num_prompts=64, stacked_max_tokens=64, stacked_max_idle_slots=10)
+    ids = list(range(1, 33))
+    w.update_metadata(LoRAMapping([21] * 4, [21] * 4, False), ids)
+    assert w.token_meta.slot_bound == 32 and w.stacked_rows() is None
+    w.update_metadata(LoRAMapping(list(range(1, 26)), list(range(1, 26)), False), ids)  # 25 adapters, 7 idle
+    assert w.stacked_rows() == 32
+    w.update_metadata(LoRAMapping([3, 3, 1], [3, 3, 1], False), ids)  # 2 adapters under bound 4
+    assert w.stacked_rows() == 4
+    plain = PunicaWrapper(64, 32, "cpu", max_num_prompts=64)
+    for rows in (4, 25, 32):  # warm-up's layouts give stacked keys exactly to the steps that stack
+        for key, layout in w.decode_layouts(rows).items():
+            w.apply_layout(rows, layout)
+            plain.apply_layout(rows, layout)
+            assert w.launch_key() == key
+            assert (w.stacked_rows() is not None) == (key != plain.launch_key())
