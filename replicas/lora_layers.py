@@ -101,8 +101,9 @@ class _LoRAWrapper(nn.Module):
         self.punica.add_shrink(buf, x, b.lora_a, 1.0, b.ranks, meta=meta)
         return self.base.ctx.all_gather(buf, dim=-1)
 
-    def _linear_with_lora(self, x: torch.Tensor) -> torch.Tensor:
-        """base_forward(x) plus this layer's LoRA, added in place (not fully sharded)."""
+    def _linear_with_lora(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """base_forward(x) plus this layer's LoRA, added in place (not fully sharded): (y, the contiguous
+        tensor y is the leading columns of: y itself, or a stacked GEMM's whole output)."""
         b = self.slots
         bound = self.punica.stacked_rows() if self.stacked is not None else None
         if bound is not None:
@@ -112,10 +113,10 @@ class _LoRAWrapper(nn.Module):
             out = F.linear(x, st.weight[:rows], None if st.bias is None else st.bias[:rows])
             y = out[:, :st.out]
             self.punica.add_expand_stacked(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias)
-            return y
+            return y, out
         y = self.base.base_forward(x)
         self.punica.add_lora_linear(y, x, b.lora_a, b.lora_b, b.bias, 1.0, b.output_slices, b.ranks)
-        return y
+        return y, y
 
 
 class ColumnParallelLinearWithLoRA(_LoRAWrapper):
@@ -123,7 +124,7 @@ class ColumnParallelLinearWithLoRA(_LoRAWrapper):
         if not self.punica.token_meta.num_adapters:
             return self.base.base_forward(x)
         if not self.sharded:
-            return self._linear_with_lora(x)
+            return self._linear_with_lora(x)[0]
         y = self.base.base_forward(x)
         b = self.slots
         self.punica.add_expand(y, self._shrink_gathered(x, None), b.lora_b, b.output_slices,
@@ -137,9 +138,7 @@ class RowParallelLinearWithLoRA(_LoRAWrapper):
         if not self.punica.token_meta.num_adapters:
             return self.base.reduce(self.base.base_forward(x))
         if not self.sharded:
-            y = self._linear_with_lora(x)
-            # A stacked GEMM's y is a view with wider rows: collectives need it contiguous.
-            return self.base.reduce(y if self.base.tp_size == 1 else y.contiguous())
+            return self.base.reduce(*self._linear_with_lora(x))
         y = self.base.base_forward(x)
         b = self.slots
         buf = torch.zeros(1, x.shape[0], b.lora_a.shape[2], dtype=torch.float32, device=x.device)

@@ -173,9 +173,12 @@ class RowParallelLinear(LinearBase):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+    def reduce(self, y: torch.Tensor, whole: torch.Tensor | None = None) -> torch.Tensor:
+        """All-reduce the partial sums y (then add the bias once). whole: a contiguous tensor whose leading
+        columns y is (a stacked GEMM's output, lora_core/stacked_a.py), reduced in its place: collectives
+        need contiguous tensors, and the columns beside y cost a few bytes, not a copy kernel."""
         if self.reduce_results:
-            y = self.ctx.all_reduce(y)
+            self.ctx.all_reduce(y if whole is None else whole)
         if self.bias is None or (not self.reduce_results and self.tp_rank != 0):
             return y  # unreduced partials: only rank 0's carries the bias
         return y + self.bias
