@@ -115,7 +115,8 @@ class DecodeGraphs:
         width = max((len(t) for t in block_tables), default=1)
         if width > self.block_tables.shape[1]:
             raise ValueError(f"a sequence holds {width} blocks; graphs were sized for {self.block_tables.shape[1]}")
-        tables = [list(t) + [self.pad_block] * (width - len(t)) for t in block_tables] + [[self.pad_block] * width] * pad
+        tables = [list(t) + [self.pad_block] * (width - len(t)) for t in block_tables]
+        tables += [[self.pad_block] * width] * pad
         seq_lens = tuple(p + 1 for p in positions) + (1,) * pad
 
         def put(dst: torch.Tensor, data, dtype) -> None:

@@ -48,6 +48,19 @@ class StackedWeight:
     a_rows: torch.Tensor  # [slots, S, R, in] view of the A rows, as LoRAModelManager takes them
 
 
+def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: torch.device, tp_size: int) -> int:
+    """EngineArgs.lora_stacked_max_tokens resolved: None is 256 on CUDA and 0 (off) elsewhere. Off with
+    fully_sharded_loras under TP, whose ranks hold part of each A row (asking for it raises)."""
+    if lora_config.fully_sharded_loras and tp_size > 1:
+        if requested:
+            raise LoRAConfigError("lora_stacked_max_tokens needs whole A rows on every rank: not with "
+                                  "fully_sharded_loras and tensor_parallel_size > 1")
+        return 0
+    if requested is None:
+        return 256 if device.type == "cuda" else 0
+    return requested
+
+
 def stack_lora_weights(model: nn.Module, specs: list[LoRAModuleSpec], lora_config: LoRAConfig
                        ) -> dict[str, StackedWeight]:
     """Move every linear LoRA layer's base weight (and column bias) into a stacked weight with room for

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lora_core.config import LoRAConfig
-from lora_core.errors import LoRAConfigError, UnknownLoRAError
+from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.model_manager import LoRAModelManager
 from lora_core.pinned_pool import physical_memory_bytes
@@ -27,7 +27,7 @@ from replicas.adapter_loads import AdapterLoads
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.lora_layers import (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA, add_lora, lora_module_specs,
-                                  stack_lora_weights)
+                                  stack_lora_weights, stacked_max_tokens)
 from replicas.lora_merge import LoRAMerger
 from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
@@ -115,7 +115,7 @@ class ModelRunner:
 
     def _setup_lora(self, cfg: RunnerConfig) -> None:
         specs = lora_module_specs(self.model)
-        stacked_tokens = self._stacked_max_tokens(cfg)
+        stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, cfg.lora_config, self.device, self.ctx.tp_size)
         stacked = stack_lora_weights(self.model, specs, cfg.lora_config) if stacked_tokens else {}
         # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
         blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(cfg.lora_load_processes) + 1
@@ -136,16 +136,6 @@ class ModelRunner:
             self.merger = LoRAMerger(linear, self.lora_manager, cfg.lora_merge_steps)
         self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, cfg.lora_load_processes,
                                   pin=self.device.type == "cuda")
-
-    def _stacked_max_tokens(self, cfg: RunnerConfig) -> int:
-        if cfg.lora_config.fully_sharded_loras and self.ctx.tp_size > 1:
-            if cfg.lora_stacked_max_tokens:
-                raise LoRAConfigError("lora_stacked_max_tokens needs whole A rows on every rank: not with "
-                                      "fully_sharded_loras and tensor_parallel_size > 1")
-            return 0
-        if cfg.lora_stacked_max_tokens is None:
-            return 256 if self.device.type == "cuda" else 0
-        return cfg.lora_stacked_max_tokens
 
     def _num_kv_blocks(self) -> int:
         """Blocks per rank: the fixed count, or the memory budget over one block's bytes (same on all ranks)."""
