@@ -8,7 +8,9 @@ memory, from a PinnedSlabPool when one is configured). The GPU tier is one
 device tensor of ``max_loras`` slots laid out as those host images
 (slot_layout.SlotLayout), seen by each LoRA-able layer as a LoRASlotBuffers
 of strided views, allocated once here so serving never allocates; activating
-an adapter is one non-blocking copy of its image plus one of its ranks.
+an adapter is one non-blocking copy of its image plus one of its ranks. With
+``stacked_a`` the linear layers' A slots live under their base weights
+instead (stacked_a.py): one more copy per linear module.
 
 Mixed ranks: every slot is sized for max_lora_rank and a smaller adapter is
 zero-padded. Memory: each slot, and each host image, takes max_lora_rank rows
