@@ -107,6 +107,22 @@ def test_shrink_in_the_base_gemm_matches_hf_peft(demo, batch, hf_reference, max_
     _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
 
 
+def test_stacked_rows_default_to_cuda_steps_of_up_to_256_rows():
+    from lora_core.config import LoRAConfig
+    from lora_core.errors import LoRAConfigError
+    from replicas.lora_layers import stacked_max_tokens
+
+    cfg, sharded = LoRAConfig(max_loras=2, max_lora_rank=8), LoRAConfig(max_loras=2, max_lora_rank=8,
+                                                                        fully_sharded_loras=True)
+    assert stacked_max_tokens(None, cfg, torch.device("cuda"), 1) == 256
+    assert stacked_max_tokens(None, cfg, torch.device("cpu"), 1) == 0
+    assert stacked_max_tokens(64, cfg, torch.device("cpu"), 2) == 64
+    assert stacked_max_tokens(None, sharded, torch.device("cuda"), 2) == 0  # ranks hold part of each A row
+    assert stacked_max_tokens(None, sharded, torch.device("cuda"), 1) == 256
+    with pytest.raises(LoRAConfigError, match="whole A rows"):
+        stacked_max_tokens(64, sharded, torch.device("cuda"), 2)
+
+
 @pytest.mark.parametrize("fully_sharded,stacked", [(False, 0), (True, 0), (False, 256)],
                          ids=["replicated", "fully_sharded", "replicated-stacked"])
 def test_tensor_parallel_matches_hf_peft(demo, batch, hf_reference, fully_sharded, stacked):
