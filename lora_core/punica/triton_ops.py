@@ -96,13 +96,13 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int)
     return block_k, split_k, max(split_k, cap)
 
 
-def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int) -> tuple[int, int]:
+def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int, bgmv: bool | None = None) -> tuple[int, int]:
     """(BLOCK_N, N_PER_PROG): enough programs to fill the GPU, each streaming several B tiles.
 
     SGMV: the grid holds max_slice / N_PER_PROG chunks for each of max_tiles tiles (planned as if
     every slot could be in the step, _slot_bound_tiles); the device deals that plane out over the
     real tiles (expand_kernel)."""
-    bgmv = use_bgmv(meta)
+    bgmv = use_bgmv(meta) if bgmv is None else bgmv
     block_n = 64 if bgmv or meta.block_m > 32 else 128
     n_blocks = -(-max_slice // block_n)
     programs = (meta.num_rows if bgmv else _slot_bound_tiles(meta)) * num_slices
@@ -157,7 +157,7 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
 def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
            slice_offsets: torch.Tensor, max_slice: int, meta: PunicaMetadata, offset_start: int,
            bias: torch.Tensor | None, add_inputs: bool, use_pdl: bool = False, shrink_splits: int = 1,
-           buf_slot_stride: int = 0) -> None:
+           buf_slot_stride: int = 0, bgmv: bool | None = None) -> None:
     """y[:, offset_start + slice] (+)= sum over splits of buf [split, S, T, R] @ lora_b [L, N, R]^T.
 
     use_pdl: launched right after this step's shrink, which triggered it. shrink_splits: that
@@ -166,8 +166,9 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
     split_k, num_slices, _, rank = buf.shape
     if meta.num_rows == 0:
         return
-    block_n, n_per_prog = expand_config(meta, max_slice, num_slices)
-    if use_bgmv(meta) and split_k == _pow2_floor(split_k):
+    bgmv = use_bgmv(meta) if bgmv is None else bgmv
+    block_n, n_per_prog = expand_config(meta, max_slice, num_slices, bgmv)
+    if bgmv and split_k == _pow2_floor(split_k):
         bgmv_expand_kernel[(meta.num_rows, -(-max_slice // n_per_prog), num_slices)](
             buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b, meta.slots,
             offset_start, n_per_prog,
