@@ -46,8 +46,7 @@ def run_case(site: str, tokens: int, rank: int, popularity: str) -> tuple[list[f
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     w = torch.randn(sum(slices), hidden, device="cuda", dtype=dtype) / hidden ** 0.5
     wrappers = [PunicaWrapper(max(tokens, 16), SLOTS, "cuda", backend="triton", use_pdl=pdl) for pdl in (False, True)]
-    wrappers.append(PunicaWrapper(max(tokens, 16), SLOTS, "cuda", backend="triton", stacked_max_tokens=tokens,
-                                  stacked_bgmv_max_tokens=int(os.environ.get("STACKED_BGMV", "0"))))
+    wrappers.append(PunicaWrapper(max(tokens, 16), SLOTS, "cuda", backend="triton", stacked_max_tokens=tokens))
     for wrapper in wrappers:
         wrapper.update_metadata(mapping, ids)
     stacked = stack_weight(w, SLOTS, len(slices), rank)

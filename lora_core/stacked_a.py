@@ -18,16 +18,33 @@ manager's arena then keeps the rest of each slot (slot_layout.SlotLayout.arena_b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lora_core.errors import LoRAConfigError
 from lora_core.slot_layout import SlotLayout
+
+if TYPE_CHECKING:
+    from lora_core.punica.metadata import PunicaMetadata
 
 # Idle slots below a step's bound cost the GEMM their A rows. Past about this many idle rank rows per slice
 # (40 rank-16 slots, 10 rank-64 ones) reading them takes longer than the shrink kernel they replace: on an
 # H200 a rank-64 step of 8 rows over 5 adapters in slots up to 31 ran its qkv LoRA in 20.1 us stacked
 # against 14.3 us with the shrink kernel, while rank 16 broke even there (bench/lora_site.py, RESULTS.md).
 IDLE_RANK_ROWS = 640
+
+
+# A stacked step's expand runs one program per row (BGMV) while rows x outputs x rank stays under this, even
+# when rows share adapters: with no shrink left to share A reads, SGMV's tile-metadata chain costs more than
+# re-reading B from L2 (H200, 16 rows of one rank-16 adapter: o 5.4 -> 2.8 us, down 7.1 -> 4.8) until B's
+# bytes per row dominate (gate_up, 32 rows: 6.3 -> 13.4 us; bench/lora_site.py, RESULTS.md eighth session).
+BGMV_EXPAND_WORK = 1 << 22
+
+
+def bgmv_expand(meta: "PunicaMetadata", out_features: int, rank: int) -> bool:
+    """Whether a stacked step's expand over out_features outputs runs BGMV (host values only: no sync)."""
+    return meta.num_rows <= meta.bgmv_max_rows and meta.num_rows * out_features * rank <= BGMV_EXPAND_WORK
 
 
 def max_idle_slots(max_rank: int) -> int:

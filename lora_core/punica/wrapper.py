@@ -23,7 +23,7 @@ from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.punica import torch_ops
 from lora_core.punica.metadata import PunicaMetadata, adapter_bound
-from lora_core.stacked_a import gather_shrunk
+from lora_core.stacked_a import bgmv_expand, gather_shrunk
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -38,7 +38,7 @@ class PunicaWrapper:
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str,
                  max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32,
                  use_pdl: bool | None = None, stacked_max_tokens: int = 0,
-                 stacked_max_idle_slots: int | None = None, stacked_bgmv_max_tokens: int = 0) -> None:
+                 stacked_max_idle_slots: int | None = None) -> None:
         """stacked_max_tokens: steps of up to this many token rows compute the shrink of layers with stacked
         A rows in their base GEMM (stacked_rows, add_expand_stacked); larger ones run the shrink kernel, as
         do steps with more than stacked_max_idle_slots unused slots below their slot bound (None: no limit;
@@ -58,7 +58,6 @@ class PunicaWrapper:
                         and triton_ops.pdl_supported(self.device.index or 0)) if use_pdl is None else use_pdl
         self.max_loras = max_loras
         self.stacked_max_tokens = stacked_max_tokens
-        self.stacked_bgmv_max_tokens = stacked_bgmv_max_tokens
         self.stacked_max_idle_slots = max_loras if stacked_max_idle_slots is None else stacked_max_idle_slots
         self.token_meta = PunicaMetadata(max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device, bgmv_max_tokens)
@@ -253,7 +252,7 @@ class PunicaWrapper:
         self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
                             meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
                             buf_slot_stride=num_slices * rank * col,
-                            bgmv=True if meta.num_rows <= self.stacked_bgmv_max_tokens else None)
+                            bgmv=True if bgmv_expand(meta, lora_b_stacked.shape[1], rank) else None)
 
     def add_lora_embedding(self, y: torch.Tensor, token_ids: torch.Tensor, lora_a_stacked: torch.Tensor,
                            lora_b_stacked: torch.Tensor, ranks: torch.Tensor | None = None,

@@ -17,7 +17,8 @@ from lora_core.mapping import LoRAMapping
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind
 from lora_core.punica import PunicaWrapper, StepLayout
-from lora_core.stacked_a import a_rows, gather_shrunk, max_idle_slots, stack_bias, stack_weight
+from lora_core.punica.metadata import PunicaMetadata
+from lora_core.stacked_a import a_rows, bgmv_expand, gather_shrunk, max_idle_slots, stack_bias, stack_weight
 from tests.lora_core.punica_cases import stacked_weights, token_slots
 from tests.lora_core.test_model_manager import MAX_RANK, SPECS, assert_slot_holds, make_lora, manager
 
@@ -191,3 +192,15 @@ def test_steps_with_many_idle_slots_below_their_bound_run_the_shrink_kernel():
             plain.apply_layout(rows, layout)
             assert w.launch_key() == key
             assert (w.stacked_rows() is not None) == (key != plain.launch_key())
+
+
+def test_stacked_expand_runs_bgmv_for_small_shared_steps_only():
+    """16 rows of one adapter: SGMV tiles for add_lora_linear (the shrink shares A reads), BGMV for a stacked
+    expand of a 4096-wide rank-16 output, not for gate_up's 28672 outputs nor past bgmv_max_rows."""
+    meta = PunicaMetadata(64, 32, torch.device("cpu"))
+    meta.update(torch.zeros(16, dtype=torch.int32), 1)
+    assert not meta.use_bgmv
+    assert bgmv_expand(meta, 4096, 16) and bgmv_expand(meta, 4096, 64)
+    assert not bgmv_expand(meta, 28672, 16) and not bgmv_expand(meta, 6144, 64)
+    meta.update(torch.zeros(33, dtype=torch.int32), 1)
+    assert not bgmv_expand(meta, 64, 4)
