@@ -118,10 +118,12 @@ def test_expand_of_the_stacked_gemm_equals_lora_linear(num_tokens, popularity, n
                                                  [4, 8, 16, 32, 64, 12], gen)
     ids = list(range(1, num_slots + 1))
     mapping = LoRAMapping([ids[s] if s >= 0 else 0 for s in slots], [1], False)
+    # PEFT lora_bias (bias_enabled) on the three-slice site
+    bias = torch.randn(num_slots, sum(slices), generator=gen).to(DEVICE, dtype) if num_slices == 3 else None
     want = F.linear(x, base)
     ref = PunicaWrapper(64, num_slots, DEVICE, backend="torch")
     ref.update_metadata(mapping, ids)
-    ref.add_lora_linear(want, x, a, b, None, 1.0, slices, ranks)
+    ref.add_lora_linear(want, x, a, b, bias, 1.0, slices, ranks)
     for backend in ("torch", "triton"):
         w = PunicaWrapper(64, num_slots, DEVICE, backend=backend, stacked_max_tokens=64)
         w.update_metadata(mapping, ids)
@@ -129,7 +131,7 @@ def test_expand_of_the_stacked_gemm_equals_lora_linear(num_tokens, popularity, n
         assert bound is not None and bound > max(slots)
         out = F.linear(x, stacked[:base.shape[0] + bound * num_slices * MAX_RANK])
         y = out[:, :base.shape[0]]
-        w.add_expand_stacked(y, out[:, base.shape[0]:], b, slices, ranks)
+        w.add_expand_stacked(y, out[:, base.shape[0]:], b, slices, ranks, bias)
         err = (y.float() - want.float()).abs().max() / want.float().abs().max()
         assert err < (1e-4 if dtype == torch.float32 else 2e-2), (backend, err.item())
 

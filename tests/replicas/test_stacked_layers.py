@@ -1,0 +1,89 @@
+"""LoRA layers with A rows stacked under the base weights (lora_core/stacked_a.py) against plain LoRA layers.
+
+Two copies of one tiny checkpoint, one with stacked weights: the same adapters in the same slots give the
+same logits, base biases (qkv, o, MLP) included, whether the step's shrink runs in the base GEMM or, past
+stacked_max_tokens, in the shrink kernel reading the stacked rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_core.config import LoRAConfig
+from lora_core.layer_weights import LoRALayerWeights
+from lora_core.lora_model import LoRAModel
+from lora_core.mapping import LoRAMapping
+from lora_core.model_manager import LoRAModelManager
+from lora_core.module_spec import LoRAKind
+from lora_core.punica import PunicaWrapper
+from replicas.attention import AttentionMetadata, allocate_kv_caches
+from replicas.lora_layers import add_lora, lora_module_specs, stack_lora_weights
+from tests.replicas.conftest import BLOCK_SIZE, NUM_BLOCKS, build_model
+
+RANK = 8
+
+
+def _adapter(specs, lora_id: int, rank: int) -> LoRAModel:
+    gen = torch.Generator().manual_seed(lora_id)
+    loras = {}
+    for spec in specs:
+        if spec.kind is not LoRAKind.LINEAR:
+            continue
+        for name, width in zip(spec.sub_module_names(), spec.out_slices):
+            loras[name] = LoRALayerWeights(module_name=name, rank=rank, lora_alpha=2.0 * rank, scaling=2.0,
+                                           lora_a=torch.randn(spec.in_features, rank, generator=gen) * 0.3,
+                                           lora_b=torch.randn(rank, width, generator=gen) * 0.3)
+    return LoRAModel(lora_id, rank, loras)
+
+
+def _engine_parts(path, stacked_max_tokens: int | None):
+    """A model with LoRA layers; stacked_max_tokens None: plain slots, else stacked A rows."""
+    model = build_model(path)
+    specs = lora_module_specs(model)
+    cfg = LoRAConfig(max_loras=3, max_lora_rank=RANK)
+    stacked = stack_lora_weights(model, specs, cfg) if stacked_max_tokens is not None else {}
+    manager = LoRAModelManager(specs, cfg, "cpu", torch.float32,
+                               stacked_a={n: s.a_rows for n, s in stacked.items()} or None)
+    punica = PunicaWrapper(64, cfg.max_loras, "cpu", backend="torch", stacked_max_tokens=stacked_max_tokens or 0)
+    add_lora(model, manager, punica, cfg, stacked)
+    for lora_id, rank in ((1, 4), (2, 8)):
+        manager.add_adapter(_adapter(specs, lora_id, rank))
+    return model, manager, punica
+
+
+@torch.no_grad()
+def _logits(model, manager, punica, lora_ids: list[int]) -> torch.Tensor:
+    """One prefill step of len(lora_ids) tokens split over three sequences, row i under lora_ids[i]."""
+    cfg = model.config
+    mapping = LoRAMapping(lora_ids, lora_ids, is_prefill=True)
+    punica.update_metadata(mapping, manager.prepare_batch(mapping))
+    caches = allocate_kv_caches(cfg.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE,
+                                cfg.num_local_kv_heads(1), cfg.head_dim, cfg.dtype)
+    lens = [4, 5, len(lora_ids) - 9]
+    tables, first = [], 0
+    for n in lens:
+        tables.append(list(range(first, first + -(-n // BLOCK_SIZE))))
+        first += len(tables[-1])
+    meta = AttentionMetadata.build(lens, lens, tables, BLOCK_SIZE)
+    ids = torch.arange(len(lora_ids)) * 7 % cfg.vocab_size
+    positions = torch.cat([torch.arange(n) for n in lens])
+    return model.compute_logits(model(ids, positions, caches, meta))
+
+
+@pytest.mark.parametrize("checkpoint", ["llama_mqa_bias", "qwen2"])
+@pytest.mark.parametrize("stacked_max_tokens", [64, 4], ids=["in-gemm", "shrink-kernel"])
+def test_stacked_layers_equal_plain_ones(tiny_checkpoint, checkpoint, stacked_max_tokens):
+    path = tiny_checkpoint(checkpoint)
+    plain = _engine_parts(path, None)
+    stacked = _engine_parts(path, stacked_max_tokens)
+    qkv = stacked[0].model.layers[0].self_attn.qkv_proj
+    assert qkv.stacked is not None and qkv.base.bias is not None  # both checkpoints have a qkv bias
+    assert qkv.base.bias.data_ptr() == qkv.stacked.bias.data_ptr()
+    lora_ids = [1, 1, 0, 2, 2, 0, 1, 2, 0, 1, 2, 2, 1]
+    want = _logits(*plain, lora_ids)
+    got = _logits(*stacked, lora_ids)
+    assert (stacked[2].stacked_rows() is not None) == (len(lora_ids) <= stacked_max_tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base = _logits(*plain, [0] * len(lora_ids))
+    assert (want - base).abs().max() > 1e-2  # the adapters change the logits
