@@ -48,13 +48,17 @@ class StackedWeight:
     a_rows: torch.Tensor  # [slots, S, R, in] view of the A rows, as LoRAModelManager takes them
 
 
-def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: torch.device, tp_size: int) -> int:
+def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: torch.device, tp_size: int,
+                       dtype: torch.dtype | None = None) -> int:
     """EngineArgs.lora_stacked_max_tokens resolved: None is 256 on CUDA and 0 (off) elsewhere. Off with
-    fully_sharded_loras under TP, whose ranks hold part of each A row (asking for it raises)."""
-    if lora_config.fully_sharded_loras and tp_size > 1:
+    fully_sharded_loras under TP, whose ranks hold part of each A row, and with a lora_dtype other than the
+    model's dtype (one GEMM reads both); asking for it there raises."""
+    sharded = lora_config.fully_sharded_loras and tp_size > 1
+    mixed = dtype is not None and lora_config.slot_dtype(dtype) != dtype
+    if sharded or mixed:
         if requested:
-            raise LoRAConfigError("lora_stacked_max_tokens needs whole A rows on every rank: not with "
-                                  "fully_sharded_loras and tensor_parallel_size > 1")
+            raise LoRAConfigError("lora_stacked_max_tokens needs whole A rows on every rank in the model's dtype: "
+                                  "not with fully_sharded_loras and tensor_parallel_size > 1, nor another lora_dtype")
         return 0
     if requested is None:
         return 256 if device.type == "cuda" else 0

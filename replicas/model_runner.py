@@ -115,7 +115,8 @@ class ModelRunner:
 
     def _setup_lora(self, cfg: RunnerConfig) -> None:
         specs = lora_module_specs(self.model)
-        stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, cfg.lora_config, self.device, self.ctx.tp_size)
+        stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, cfg.lora_config, self.device, self.ctx.tp_size,
+                                            self.model_config.dtype)
         stacked = stack_lora_weights(self.model, specs, cfg.lora_config) if stacked_tokens else {}
         # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
         blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(cfg.lora_load_processes) + 1

@@ -121,6 +121,11 @@ def test_stacked_rows_default_to_cuda_steps_of_up_to_256_rows():
     assert stacked_max_tokens(None, sharded, torch.device("cuda"), 1) == 256
     with pytest.raises(LoRAConfigError, match="whole A rows"):
         stacked_max_tokens(64, sharded, torch.device("cuda"), 2)
+    fp16 = LoRAConfig(max_loras=2, max_lora_rank=8, lora_dtype="float16")  # slots in another dtype than the model
+    assert stacked_max_tokens(None, fp16, torch.device("cuda"), 1, torch.bfloat16) == 0
+    assert stacked_max_tokens(None, fp16, torch.device("cuda"), 1, torch.float16) == 256
+    with pytest.raises(LoRAConfigError, match="lora_dtype"):
+        stacked_max_tokens(8, fp16, torch.device("cuda"), 1, torch.bfloat16)
 
 
 @pytest.mark.parametrize("fully_sharded,stacked", [(False, 0), (True, 0), (False, 256)],
