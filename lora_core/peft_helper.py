@@ -216,7 +216,8 @@ class PEFTHelper:
             elif lora_config is not None and r > lora_config.max_lora_rank:
                 problems.append(RankTooLargeError(
                     p, name, f"rank {r} exceeds max_lora_rank={lora_config.max_lora_rank} of this deployment"))
-        alphas = [("lora_alpha", self.lora_alpha)] + [(f"alpha_pattern[{k!r}]", v) for k, v in self.alpha_pattern.items()]
+        alphas = [("lora_alpha", self.lora_alpha)]
+        alphas += [(f"alpha_pattern[{k!r}]", v) for k, v in self.alpha_pattern.items()]
         for name, alpha in alphas:
             if not math.isfinite(alpha) or alpha <= 0:
                 problems.append(CorruptAdapterError(p, name, f"must be a finite number > 0, got {alpha}"))

@@ -79,7 +79,8 @@ class AttentionMetadata:
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       dtype: torch.dtype, device: torch.device | str = "cpu"
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim], zeroed."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

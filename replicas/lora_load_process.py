@@ -8,8 +8,9 @@ spawned worker process reads, validates and lays out the adapter
 only copies that one slab into pinned memory (one copy_, which releases the
 GIL, into a block of the manager's PinnedSlabPool, pinned at start-up). On an
 H200 host (bench/load_contention.py) loads on a thread slowed a tiny engine's
-steps 1.78x at the median, in a process 0.93x (no slowdown), at the same load rate; with the 8B engine, rows with many loads gained 11-26%
-tok/s (bench/RESULTS.md, fourth session).
+steps 1.78x at the median, in a process 0.93x (no slowdown), at the same load
+rate; with the 8B engine, rows with many loads gained 11-26% tok/s
+(bench/RESULTS.md, fourth session).
 
 Worker processes are spawned, so a script that builds an engine with this on
 must guard its entry point with ``if __name__ == "__main__":`` (as for tensor
