@@ -81,6 +81,9 @@ class LoRAModelManager:
         views = self.layout.slot_views(self._arena)
         for name, rows in self._stacked_a.items():
             views[name] = (rows.transpose(0, 1),) + views[name][1:]  # [S, L, R_a, in], as the kernels read A
+        # per slot, where each linear module's A rows go, in the image's order (layout.image_a_all)
+        self._stacked_dst = [[self._stacked_a[name][slot].view(-1) for name in self.layout.a_last_names()]
+                             for slot in range(lora_config.max_loras)] if self._stacked_a else []
         self._buffers = {name: LoRASlotBuffers(spec=spec, lora_a=views[name][0], lora_b=views[name][1],
                                                ranks=self._ranks[self.layout.index(name),
                                                                  :len(self._dims[name].out_slices)],
@@ -274,8 +277,9 @@ class LoRAModelManager:
         make the kernels read the slot; with stacked A rows, one more per linear module between them."""
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self._arena[slot].copy_(adapter.slab[:self._arena.shape[1]], non_blocking=True)
-            for name, rows in self._stacked_a.items():
-                rows[slot].copy_(self.layout.image_a(adapter.slab, name), non_blocking=True)
+            if self._stacked_a:
+                for dst, src in zip(self._stacked_dst[slot], self.layout.image_a_all(adapter.slab)):
+                    dst.copy_(src, non_blocking=True)
             self._ranks[:, :, slot].copy_(adapter.ranks, non_blocking=True)
             if adapter.block is not None and self._pin_host:
                 adapter.block.record()  # the pool hands the block out again only after these copies

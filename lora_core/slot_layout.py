@@ -60,9 +60,19 @@ class SlotLayout:
             self._regions[name] = (a, b, bias)
         self.a_last = a_last
         self.arena_bytes = self.slot_bytes  # every region but the a_last A rows
+        # The a_last A rows as one run from arena_bytes on: split sizes (elements) of each and of the
+        # alignment gaps between them, and which pieces are A rows (image_a_all).
+        self._a_split: list[int] = []
+        self._a_pieces: list[int] = []
         for name in self.names:
             if name in a_last:
-                self._regions[name] = (self._place(a_sizes[name], gaps),) + self._regions[name][1:]
+                start = self._place(a_sizes[name], gaps)
+                self._regions[name] = (start,) + self._regions[name][1:]
+                done = self.arena_bytes + sum(self._a_split) * self.esize
+                if start > done:
+                    self._a_split.append((start - done) // self.esize)
+                self._a_pieces.append(len(self._a_split))
+                self._a_split.append(a_sizes[name] // self.esize)
         # int64 byte offsets that no view covers: zeroed in every image, so that two images of one
         # adapter are equal byte for byte whatever their slabs held before
         self.padding = torch.cat(gaps) if gaps else torch.zeros(0, dtype=torch.int64)
@@ -80,12 +90,17 @@ class SlotLayout:
         d = self.dims[name]
         return len(d.out_slices), d.rank_a, d.in_features
 
-    def image_a(self, slab: torch.Tensor, name: str) -> torch.Tensor:
-        """A linear module's A rows [S, R_a, in] in a slot image (uint8 [slot_bytes]), a view."""
-        size = self.a_shape(name)
+    def a_last_names(self) -> list[str]:
+        """The a_last modules in image order (image_a_all's order)."""
+        return [name for name in self.names if name in self.a_last]
+
+    def image_a_all(self, slab: torch.Tensor) -> list[torch.Tensor]:
+        """Every a_last module's A rows in a slot image (uint8 [slot_bytes]), flat views in a_last_names order.
+        One split for all of them: an activation copies each, and 128 view constructions (8B) cost the
+        engine thread more than the split."""
         typed = slab.view(self.dtype)
-        return typed.as_strided(size, (size[1] * size[2], size[2], 1),
-                                typed.storage_offset() + self._regions[name][0] // self.esize)
+        parts = typed.narrow(0, self.arena_bytes // self.esize, sum(self._a_split)).split(self._a_split)
+        return [parts[i] for i in self._a_pieces]
 
     def index(self, name: str) -> int:
         """The module's row in the ranks header and in LoRAModelManager's ranks tensor."""

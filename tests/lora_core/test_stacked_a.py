@@ -18,7 +18,9 @@ from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind
 from lora_core.punica import PunicaWrapper, StepLayout
 from lora_core.punica.metadata import PunicaMetadata
+from lora_core.slot_layout import SlotLayout
 from lora_core.stacked_a import a_rows, bgmv_expand, gather_shrunk, max_idle_slots, stack_bias, stack_weight
+from lora_core.tp import LocalDims
 from tests.lora_core.punica_cases import stacked_weights, token_slots
 from tests.lora_core.test_model_manager import MAX_RANK, SPECS, assert_slot_holds, make_lora, manager
 
@@ -206,3 +208,18 @@ def test_stacked_expand_runs_bgmv_for_small_shared_steps_only():
     assert not bgmv_expand(meta, 28672, 16) and not bgmv_expand(meta, 6144, 64)
     meta.update(torch.zeros(33, dtype=torch.int32), 1)
     assert not bgmv_expand(meta, 64, 4)
+
+
+def test_image_a_all_finds_each_linear_modules_a_rows_across_alignment_gaps():
+    """Odd widths in float16 leave gaps between the A regions at the end of an image: the one split that
+    activation uses must still land on each module's rows (as image_views sees them)."""
+    dims = {"emb": LocalDims(10, (6,), 4, 4, is_embedding=True), "q": LocalDims(9, (5, 3), 4, 4),
+            "o": LocalDims(7, (9,), 4, 4), "head": LocalDims(9, (10,), 4, 4)}
+    layout = SlotLayout(dims, torch.float16, bias_enabled=False, a_last=frozenset({"q", "o"}))
+    assert layout.a_last_names() == ["q", "o"] and layout.arena_bytes < layout.slot_bytes
+    slab = torch.arange(layout.slot_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    _, regions = layout.image_views(slab)
+    for name, flat in zip(layout.a_last_names(), layout.image_a_all(slab)):
+        assert torch.equal(flat, regions[name][0].reshape(-1)), name
+    with pytest.raises(ValueError, match="not linear"):
+        SlotLayout(dims, torch.float16, bias_enabled=False, a_last=frozenset({"emb"}))
