@@ -64,15 +64,15 @@ class SlotLayout:
         # alignment gaps between them, and which pieces are A rows (image_a_all).
         self._a_split: list[int] = []
         self._a_pieces: list[int] = []
-        for name in self.names:
-            if name in a_last:
-                start = self._place(a_sizes[name], gaps)
-                self._regions[name] = (start,) + self._regions[name][1:]
-                done = self.arena_bytes + sum(self._a_split) * self.esize
-                if start > done:
-                    self._a_split.append((start - done) // self.esize)
-                self._a_pieces.append(len(self._a_split))
-                self._a_split.append(a_sizes[name] // self.esize)
+        done = self.arena_bytes  # where the run's pieces so far end (before the last one's alignment gap)
+        for name in self.a_last_names():
+            start = self._place(a_sizes[name], gaps)
+            self._regions[name] = (start,) + self._regions[name][1:]
+            if start > done:
+                self._a_split.append((start - done) // self.esize)
+            self._a_pieces.append(len(self._a_split))
+            self._a_split.append(a_sizes[name] // self.esize)
+            done = start + a_sizes[name]
         # int64 byte offsets that no view covers: zeroed in every image, so that two images of one
         # adapter are equal byte for byte whatever their slabs held before
         self.padding = torch.cat(gaps) if gaps else torch.zeros(0, dtype=torch.int64)

@@ -7,9 +7,10 @@ computes the base output and the shrink of every slot below a bound.
 Why: at decode sizes a LoRA site's shrink is a latency-bound kernel of its own (3-6 us on an H200; an 8B
 decode step runs 128 sites) while its bytes are a few percent of the GEMM's, which streams the base
 weight anyway. The expand then reads each row's slot columns of the GEMM's output (PunicaWrapper.
-add_expand_stacked). The GEMM covers the slots below the step's slot bound (its highest slot in use, rounded
-up to a power of four, so that few CUDA graphs cover every step); slots past the bound cost nothing, idle
-ones below it their A bytes. Large steps (prompts) keep the shrink kernel, which reads only the rows' own
+add_expand_stacked; torch_ops.gather_shrunk and triton_ops.use_bgmv_stacked are its backends' parts).
+The GEMM covers the slots below the step's slot bound (its highest slot in use, rounded up to a power of
+four, so that few CUDA graphs cover every step); slots past the bound cost nothing, idle ones below it
+their A bytes. Large steps (prompts) keep the shrink kernel, which reads only the rows' own
 adapters: there the GEMM's FLOPs for every slot would count. bench/RESULTS.md measures both.
 
 The A rows are what LoRAModelManager holds as those modules' ``lora_a`` (a [S, L, R, in] view); the
@@ -18,33 +19,16 @@ manager's arena then keeps the rest of each slot (slot_layout.SlotLayout.arena_b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from lora_core.errors import LoRAConfigError
 from lora_core.slot_layout import SlotLayout
-
-if TYPE_CHECKING:
-    from lora_core.punica.metadata import PunicaMetadata
 
 # Idle slots below a step's bound cost the GEMM their A rows. Past about this many idle rank rows per slice
 # (40 rank-16 slots, 10 rank-64 ones) reading them takes longer than the shrink kernel they replace: on an
 # H200 a rank-64 step of 8 rows over 5 adapters in slots up to 31 ran its qkv LoRA in 20.1 us stacked
 # against 14.3 us with the shrink kernel, while rank 16 broke even there (bench/lora_site.py, RESULTS.md).
 IDLE_RANK_ROWS = 640
-
-
-# A stacked step's expand runs one program per row (BGMV) while rows x outputs x rank stays under this, even
-# when rows share adapters: with no shrink left to share A reads, SGMV's tile-metadata chain costs more than
-# re-reading B from L2 (H200, 16 rows of one rank-16 adapter: o 5.4 -> 2.8 us, down 7.1 -> 4.8) until B's
-# bytes per row dominate (gate_up, 32 rows: 6.3 -> 13.4 us; bench/lora_site.py, RESULTS.md eighth session).
-BGMV_EXPAND_WORK = 1 << 22
-
-
-def bgmv_expand(meta: "PunicaMetadata", out_features: int, rank: int) -> bool:
-    """Whether a stacked step's expand over out_features outputs runs BGMV (host values only: no sync)."""
-    return meta.num_rows <= meta.bgmv_max_rows and meta.num_rows * out_features * rank <= BGMV_EXPAND_WORK
 
 
 def max_idle_slots(max_rank: int) -> int:
@@ -92,14 +76,3 @@ def check_stacked_a(stacked_a: dict[str, torch.Tensor], layout: SlotLayout, num_
             raise LoRAConfigError(f"{name}: each slot's stacked A rows must be contiguous")
     return dict(stacked_a)
 
-
-def gather_shrunk(shrunk: torch.Tensor, slots: torch.Tensor, num_slices: int, rank: int) -> torch.Tensor:
-    """shrunk [T, >= bound*S*R] (the GEMM's A columns, slot-major) -> [S, T, R] fp32: each row's own slot's
-    shrink, as torch_ops.expand reads it. Rows without an adapter (slot -1) get zeros."""
-    rows = shrunk.shape[0]
-    per_slot = shrunk[:, : (shrunk.shape[1] // (num_slices * rank)) * num_slices * rank]
-    per_slot = per_slot.reshape(rows, -1, num_slices, rank)
-    index = slots.long().clamp(min=0).view(rows, 1, 1, 1).expand(rows, 1, num_slices, rank)
-    out = per_slot.gather(1, index)[:, 0].float()
-    out[slots < 0] = 0
-    return out.permute(1, 0, 2)

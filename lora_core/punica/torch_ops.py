@@ -84,3 +84,15 @@ def embedding_shrink(buf: torch.Tensor, token_ids: torch.Tensor, lora_a: torch.T
     owned = (slots >= 0) & (token_ids >= 0) & (token_ids < vocab)
     rows = lora_a[0, slots.clamp(min=0).long(), token_ids.clamp(0, vocab - 1).long()]
     buf[0].copy_(rows.float() * owned.unsqueeze(1))
+
+
+def gather_shrunk(shrunk: torch.Tensor, slots: torch.Tensor, num_slices: int, rank: int) -> torch.Tensor:
+    """shrunk [T, >= bound*S*R] (a stacked GEMM's A columns, slot-major: lora_core/stacked_a.py) -> [S, T, R]
+    fp32: each row's own slot's shrink, as expand reads it. Rows without an adapter (slot -1) get zeros."""
+    rows = shrunk.shape[0]
+    per_slot = shrunk[:, : (shrunk.shape[1] // (num_slices * rank)) * num_slices * rank]
+    per_slot = per_slot.reshape(rows, -1, num_slices, rank)
+    index = slots.long().clamp(min=0).view(rows, 1, 1, 1).expand(rows, 1, num_slices, rank)
+    out = per_slot.gather(1, index)[:, 0].float()
+    out[slots < 0] = 0
+    return out.permute(1, 0, 2)

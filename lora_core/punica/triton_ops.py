@@ -62,6 +62,18 @@ def use_bgmv(meta: PunicaMetadata) -> bool:
     return meta.use_bgmv
 
 
+# A stacked step's expand runs one program per row (BGMV) while rows x outputs x rank stays under this, even
+# when rows share adapters: with no shrink left to share A reads, SGMV's tile-metadata chain costs more than
+# re-reading B from L2 (H200, 16 rows of one rank-16 adapter: o 5.4 -> 2.8 us, down 7.1 -> 4.8) until B's
+# bytes per row dominate (gate_up, 32 rows: 6.3 -> 13.4 us; bench/lora_site.py, RESULTS.md eighth session).
+BGMV_EXPAND_WORK = 1 << 22
+
+
+def use_bgmv_stacked(meta: PunicaMetadata, out_features: int, rank: int) -> bool:
+    """Whether a stacked step's expand over out_features outputs runs BGMV (host values only: no sync)."""
+    return meta.num_rows <= meta.bgmv_max_rows and meta.num_rows * out_features * rank <= BGMV_EXPAND_WORK
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 

@@ -23,7 +23,6 @@ from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.punica import torch_ops
 from lora_core.punica.metadata import PunicaMetadata, adapter_bound
-from lora_core.stacked_a import bgmv_expand, gather_shrunk
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -242,7 +241,7 @@ class PunicaWrapper:
             raise ValueError(f"shrunk {tuple(shrunk.shape)} does not hold {meta.num_rows} rows of "
                              f"{meta.slot_bound} slots x {num_slices} slices x rank {rank}")
         if self.backend == "torch":
-            buf = gather_shrunk(shrunk, meta.slots, num_slices, rank)
+            buf = torch_ops.gather_shrunk(shrunk, meta.slots, num_slices, rank)
             torch_ops.expand(y, buf, lora_b_stacked, meta.slots, ranks, tuple(output_slices), 0, lora_bias_stacked)
             return
         if meta.num_rows == 0:
@@ -252,7 +251,7 @@ class PunicaWrapper:
         self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
                             meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
                             buf_slot_stride=num_slices * rank * col,
-                            bgmv=True if bgmv_expand(meta, lora_b_stacked.shape[1], rank) else None)
+                            bgmv=True if self._triton.use_bgmv_stacked(meta, lora_b_stacked.shape[1], rank) else None)
 
     def add_lora_embedding(self, y: torch.Tensor, token_ids: torch.Tensor, lora_a_stacked: torch.Tensor,
                            lora_b_stacked: torch.Tensor, ranks: torch.Tensor | None = None,

@@ -19,7 +19,9 @@ from lora_core.module_spec import LoRAKind
 from lora_core.punica import PunicaWrapper, StepLayout
 from lora_core.punica.metadata import PunicaMetadata
 from lora_core.slot_layout import SlotLayout
-from lora_core.stacked_a import a_rows, bgmv_expand, gather_shrunk, max_idle_slots, stack_bias, stack_weight
+from lora_core.punica.torch_ops import gather_shrunk
+from lora_core.punica.triton_ops import use_bgmv_stacked as bgmv_expand
+from lora_core.stacked_a import a_rows, max_idle_slots, stack_bias, stack_weight
 from lora_core.tp import LocalDims
 from tests.lora_core.punica_cases import stacked_weights, token_slots
 from tests.lora_core.test_model_manager import MAX_RANK, SPECS, assert_slot_holds, make_lora, manager
