@@ -124,6 +124,17 @@ def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int, bgmv: b
     return block_n, block_n * -(-n_blocks // chunks)
 
 
+def stacked_expand_config(rank: int) -> tuple[int, int]:
+    """(BLOCK_N, N_PER_PROG) of a stacked step's expand: one B tile of about 4096 elements per program.
+
+    With no shrink before it to overlap, the expand's time is its B reads' latency: more programs each
+    holding one larger tile keep more bytes in flight than a few streaming several small ones. H200, 32
+    rows, rank 16, 1-32 adapters: o / down 8.6-8.9 -> 7.6-8.4 us, gate_up over 27 adapters 20.6 -> 17.7;
+    rank 64 with 64-column tiles: o / down 9.7-12.1 -> 8.7-10.5 (bench/stacked_expand.py, RESULTS.md)."""
+    block_n = max(64, min(256, 4096 // _block_r(rank)))
+    return block_n, block_n
+
+
 def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor,
            meta: PunicaMetadata, scale: float, accumulate: bool, split_k: int, block_k: int,
            use_pdl: bool = False) -> None:
@@ -169,17 +180,18 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
 def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
            slice_offsets: torch.Tensor, max_slice: int, meta: PunicaMetadata, offset_start: int,
            bias: torch.Tensor | None, add_inputs: bool, use_pdl: bool = False, shrink_splits: int = 1,
-           buf_slot_stride: int = 0, bgmv: bool | None = None) -> None:
+           buf_slot_stride: int = 0, bgmv: bool | None = None, one_tile: bool = False) -> None:
     """y[:, offset_start + slice] (+)= sum over splits of buf [split, S, T, R] @ lora_b [L, N, R]^T.
 
     use_pdl: launched right after this step's shrink, which triggered it. shrink_splits: that
     shrink's grid splits (shrink_config), from which SGMV knows how many partials it wrote.
+    one_tile: a program per B tile (stacked_expand_config), for a stacked step's expand.
     """
     split_k, num_slices, _, rank = buf.shape
     if meta.num_rows == 0:
         return
     bgmv = use_bgmv(meta) if bgmv is None else bgmv
-    block_n, n_per_prog = expand_config(meta, max_slice, num_slices, bgmv)
+    block_n, n_per_prog = stacked_expand_config(rank) if one_tile else expand_config(meta, max_slice, num_slices, bgmv)
     if bgmv and split_k == _pow2_floor(split_k):
         bgmv_expand_kernel[(meta.num_rows, -(-max_slice // n_per_prog), num_slices)](
             buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b, meta.slots,

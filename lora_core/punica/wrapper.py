@@ -250,7 +250,7 @@ class PunicaWrapper:
         buf = shrunk.as_strided((1, num_slices, meta.num_rows, rank), (0, rank * col, shrunk.stride(0), col))
         self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
                             meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
-                            buf_slot_stride=num_slices * rank * col,
+                            buf_slot_stride=num_slices * rank * col, one_tile=True,
                             bgmv=True if self._triton.use_bgmv_stacked(meta, lora_b_stacked.shape[1], rank) else None)
 
     def add_lora_embedding(self, y: torch.Tensor, token_ids: torch.Tensor, lora_a_stacked: torch.Tensor,
