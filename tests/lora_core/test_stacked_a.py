@@ -100,26 +100,32 @@ def test_stack_bias_pads_with_zeros():
     assert bias.tolist() == [0, 1, 2, 3, 4] + [0] * 8 and stack_bias(None, stacked) is None
 
 
-def _site(num_tokens, popularity, slices, dtype, num_slots, ranks, gen):
+def _site(num_tokens, popularity, slices, dtype, num_slots, ranks, gen, max_rank=MAX_RANK):
     hidden = 64
-    a, b, rank_table = stacked_weights(num_slots, MAX_RANK, hidden, slices, ranks, dtype, DEVICE, gen)
+    a, b, rank_table = stacked_weights(num_slots, max_rank, hidden, slices, ranks, dtype, DEVICE, gen)
     base = (torch.randn(sum(slices), hidden, generator=gen) / hidden ** 0.5).to(DEVICE, dtype)
-    stacked = stack_weight(base, num_slots, len(slices), MAX_RANK)
-    a_rows(stacked, base.shape[0], num_slots, len(slices), MAX_RANK).copy_(a.transpose(0, 1))
+    stacked = stack_weight(base, num_slots, len(slices), max_rank)
+    a_rows(stacked, base.shape[0], num_slots, len(slices), max_rank).copy_(a.transpose(0, 1))
     slots = token_slots(num_tokens, num_slots, popularity, gen, none_fraction=0.2 if num_tokens > 1 else 0.0)
     x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
     return a, b, rank_table, base, stacked, slots, x
 
 
+# (slot rank, slices) -> output slices: rank-64 slots run 64-column B tiles per stacked-expand program and
+# rank-16 ones 256-column tiles (triton_ops.stacked_expand_config), here over outputs ending in partial tiles.
+SITE_CASES = {(64, 1): (96,), (64, 3): (64, 32, 16), (16, 1): (300,), (16, 3): (264, 40, 40)}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_slices", [1, 3])
+@pytest.mark.parametrize("max_rank,num_slices", list(SITE_CASES))
 @pytest.mark.parametrize("num_tokens,popularity", [(1, "identical"), (7, "distinct"), (32, "zipf"), (64, "identical")])
-def test_expand_of_the_stacked_gemm_equals_lora_linear(num_tokens, popularity, num_slices, dtype):
-    slices = {1: (96,), 3: (64, 32, 16)}[num_slices]
+def test_expand_of_the_stacked_gemm_equals_lora_linear(num_tokens, popularity, max_rank, num_slices, dtype):
+    slices = SITE_CASES[max_rank, num_slices]
     num_slots = 6
     gen = torch.Generator().manual_seed(num_tokens * 7 + num_slices)
-    a, b, ranks, base, stacked, slots, x = _site(num_tokens, popularity, slices, dtype, num_slots,
-                                                 [4, 8, 16, 32, 64, 12], gen)
+    ranks = [min(r, max_rank) for r in (4, 8, 16, 32, 64, 12)]
+    a, b, ranks, base, stacked, slots, x = _site(num_tokens, popularity, slices, dtype, num_slots, ranks, gen,
+                                                 max_rank)
     ids = list(range(1, num_slots + 1))
     mapping = LoRAMapping([ids[s] if s >= 0 else 0 for s in slots], [1], False)
     # PEFT lora_bias (bias_enabled) on the three-slice site
@@ -133,7 +139,7 @@ def test_expand_of_the_stacked_gemm_equals_lora_linear(num_tokens, popularity, n
         w.update_metadata(mapping, ids)
         bound = w.stacked_rows()
         assert bound is not None and bound > max(slots)
-        out = F.linear(x, stacked[:base.shape[0] + bound * num_slices * MAX_RANK])
+        out = F.linear(x, stacked[:base.shape[0] + bound * num_slices * max_rank])
         y = out[:, :base.shape[0]]
         w.add_expand_stacked(y, out[:, base.shape[0]:], b, slices, ranks, bias)
         err = (y.float() - want.float()).abs().max() / want.float().abs().max()
