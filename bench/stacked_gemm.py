@@ -8,6 +8,11 @@ GEMM and the best time over E' in [E, E + pad] (zero rows read for nothing but a
 
     python bench/stacked_gemm.py                       # M = 32 rows, E in steps of 16 up to 1664
     python bench/stacked_gemm.py --tokens 16 64 --step 64
+    python bench/stacked_gemm.py --in-situ        # 32 layers' GEMMs in one graph, one site's rows varied
+
+--in-situ times what an engine step sees: every layer's four GEMMs back to back in one CUDA graph (16 GB of
+weights streamed, so nothing stays in L2 and no flush is needed), one site's extra rows varied at a time
+from its slot bound's exact count up to --pad more, the other sites at their exact counts.
 """
 
 from __future__ import annotations
@@ -37,6 +42,41 @@ def sweep(site: str, tokens: int, extras: list[int]) -> dict[int, float]:
     return times
 
 
+def in_situ(tokens: int, rank: int, pad: int, step: int, layers: int) -> None:
+    slots = max(BOUNDS)
+    weights = {site: [torch.randn(out + slots * slices * rank + pad, hidden, device="cuda", dtype=torch.bfloat16)
+                      / hidden ** 0.5 for _ in range(layers)] for site, (hidden, out, slices) in SITES.items()}
+    xs = {hidden: torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) for hidden, _, _ in SITES.values()}
+
+    def step_us(rows: dict[str, int]) -> float:
+        def run():
+            for i in range(layers):
+                for site, (hidden, _, _) in SITES.items():
+                    torch.nn.functional.linear(xs[hidden], weights[site][i][:rows[site]])
+        graph = graph_of(run)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(12):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(1e3 * start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    base = step_us({site: out for site, (_, out, _) in SITES.items()})
+    print(f"in situ: {layers} layers x 4 GEMMs, T={tokens}, rank {rank}: no extra rows {base:.1f} us per step")
+    for bound in BOUNDS:
+        exact = {site: out + bound * slices * rank for site, (_, out, slices) in SITES.items()}
+        at_exact = step_us(exact)
+        line = [f"bound {bound:2}: exact rows {at_exact - base:+7.1f} us/step;"]
+        for site in SITES:
+            times = {extra: step_us(exact | {site: exact[site] + extra}) for extra in range(0, pad + 1, step)}
+            best = min(times, key=times.get)
+            line.append(f"{site} +{best} rows {times[best] - times[0]:+.1f}")
+        print("  ".join(line))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[32])
@@ -45,7 +85,13 @@ def main() -> None:
     p.add_argument("--pad", type=int, default=256, help="zero rows a padded GEMM may add")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    p.add_argument("--in-situ", action="store_true")
+    p.add_argument("--layers", type=int, default=32)
     a = p.parse_args()
+    if a.in_situ:
+        for tokens in a.tokens:
+            in_situ(tokens, a.rank, a.pad, a.step, a.layers)
+        return
     extras = list(range(0, a.max_extra + a.pad + 1, a.step))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "stacked_gemm.csv"), "w", newline="") as f:
@@ -53,7 +99,8 @@ def main() -> None:
         out.writerow(["site", "tokens", "extra_rows", "us"])
         for tokens in a.tokens:
             for site, (_, _, slices) in SITES.items():
-                times = sweep(site, tokens, extras)
+                exact = {bound * slices * a.rank for bound in BOUNDS}
+                times = sweep(site, tokens, sorted(set(extras) | exact))
                 for extra, us in times.items():
                     out.writerow([site, tokens, extra, f"{us:.3f}"])
                 base = times[0]
@@ -66,7 +113,7 @@ def main() -> None:
                     padded = min((e for e in times if extra <= e <= extra + a.pad), key=times.get)
                     print(f"    bound {bound:2}  rows {extra:5}  {times[extra] - base:6.2f} -> "
                           f"{times[padded] - base:6.2f} ({padded})")
-                row = "  ".join(f"{e}:{times[e] - base:.1f}" for e in extras)
+                row = "  ".join(f"{e}:{us - base:.1f}" for e, us in times.items())
                 print(f"    all: {row}")
 
 
