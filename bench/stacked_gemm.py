@@ -13,6 +13,10 @@ GEMM and the best time over E' in [E, E + pad] (zero rows read for nothing but a
 --in-situ times what an engine step sees: every layer's four GEMMs back to back in one CUDA graph (16 GB of
 weights streamed, so nothing stays in L2 and no flush is needed), one site's extra rows varied at a time
 from its slot bound's exact count up to --pad more, the other sites at their exact counts.
+
+What came of it (RESULTS.md, ninth session): in situ, padding won back ~100 of the 228 us that one adapter's
+rows cost a 32-row step, but the same choices made by a warm-up tuner gained nothing in the engine's decode
+steps (and cost 20 s of warm-up): tried and reverted.
 """
 
 from __future__ import annotations

@@ -36,13 +36,10 @@ def max_idle_slots(max_rank: int) -> int:
     return max(1, IDLE_RANK_ROWS // max_rank)
 
 
-def stack_weight(weight: torch.Tensor, num_slots: int, num_slices: int, rank: int,
-                 pad_rows: int = 0) -> torch.Tensor:
-    """A new [out + num_slots*num_slices*rank + pad_rows, in] tensor: ``weight``'s rows, then zeroed A rows and
-    pad_rows zero rows (a GEMM may read past the last slot where cuBLAS runs that shape faster)."""
+def stack_weight(weight: torch.Tensor, num_slots: int, num_slices: int, rank: int) -> torch.Tensor:
+    """A new [out + num_slots*num_slices*rank, in] tensor: ``weight``'s rows, then zeroed A rows."""
     out, width = weight.shape
-    stacked = torch.zeros(out + num_slots * num_slices * rank + pad_rows, width, dtype=weight.dtype,
-                          device=weight.device)
+    stacked = torch.zeros(out + num_slots * num_slices * rank, width, dtype=weight.dtype, device=weight.device)
     stacked[:out].copy_(weight)
     return stacked
 
@@ -58,7 +55,7 @@ def stack_bias(bias: torch.Tensor | None, stacked: torch.Tensor) -> torch.Tensor
 
 def a_rows(stacked: torch.Tensor, out: int, num_slots: int, num_slices: int, rank: int) -> torch.Tensor:
     """The A rows of a stacked weight as LoRAModelManager takes them: [num_slots, S, R, in] (a view)."""
-    return stacked[out:out + num_slots * num_slices * rank].view(num_slots, num_slices, rank, stacked.shape[1])
+    return stacked[out:].view(num_slots, num_slices, rank, stacked.shape[1])
 
 
 def check_stacked_a(stacked_a: dict[str, torch.Tensor], layout: SlotLayout, num_slots: int,

@@ -36,7 +36,6 @@ from lora_core.punica import PunicaWrapper
 from lora_core.stacked_a import a_rows, stack_bias, stack_weight
 from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replicas.layers.linear import ColumnParallelLinear, RowParallelLinear
-from replicas.stacked_rows import RowPlan
 
 
 @dataclass
@@ -47,7 +46,6 @@ class StackedWeight:
     out: int
     per_slot: int  # A rows of one slot: slices x max_lora_rank
     a_rows: torch.Tensor  # [slots, S, R, in] view of the A rows, as LoRAModelManager takes them
-    plan: RowPlan  # rows a step's GEMM reads (replicas/stacked_rows.py), shared by the layers of this shape
 
 
 def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: torch.device, tp_size: int,
@@ -67,31 +65,26 @@ def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: t
     return requested
 
 
-def stack_lora_weights(model: nn.Module, specs: list[LoRAModuleSpec], lora_config: LoRAConfig,
-                       pad_rows: int = 0) -> dict[str, StackedWeight]:
+def stack_lora_weights(model: nn.Module, specs: list[LoRAModuleSpec], lora_config: LoRAConfig
+                       ) -> dict[str, StackedWeight]:
     """Move every linear LoRA layer's base weight (and column bias) into a stacked weight with room for
-    max_loras A slots and pad_rows zero rows (stacked_rows.PAD_ROWS where the row counts get tuned); the
-    layer keeps views of its rows, so nothing else changes. One layer at a time, so the model's memory
-    grows by those rows only."""
+    max_loras A slots; the layer keeps views of its rows, so nothing else changes. One layer at a time,
+    so the model's memory grows by the A rows only."""
     out: dict[str, StackedWeight] = {}
-    plans: dict[tuple, RowPlan] = {}
     slots, rank = lora_config.max_loras, lora_config.max_lora_rank
     for spec in specs:
         if spec.kind is not LoRAKind.LINEAR:
             continue
         base = model.get_submodule(spec.name)
         slices = len(spec.out_slices)
-        stacked = stack_weight(base.weight.data, slots, slices, rank, pad_rows)
+        stacked = stack_weight(base.weight.data, slots, slices, rank)
         rows = base.weight.shape[0]
-        plan = plans.setdefault((*stacked.shape, slices * rank, stacked.dtype),
-                                RowPlan(rows, slices * rank, stacked.shape[0]))
         base.weight = nn.Parameter(stacked[:rows], requires_grad=False)
         bias = None
         if isinstance(base, ColumnParallelLinear) and base.bias is not None:
             bias = stack_bias(base.bias.data, stacked)
             base.bias = nn.Parameter(bias[:rows], requires_grad=False)
-        out[spec.name] = StackedWeight(stacked, bias, rows, slices * rank, a_rows(stacked, rows, slots, slices, rank),
-                                       plan)
+        out[spec.name] = StackedWeight(stacked, bias, rows, slices * rank, a_rows(stacked, rows, slots, slices, rank))
     return out
 
 
@@ -133,7 +126,7 @@ class _LoRAWrapper(nn.Module):
         if bound is not None:
             # One GEMM for the base output and every slot's shrink below the step's slot bound.
             st = self.stacked
-            rows = st.plan.rows(x.shape[0], bound)
+            rows = st.out + bound * st.per_slot
             out = F.linear(x, st.weight[:rows], None if st.bias is None else st.bias[:rows])
             y = out[:, :st.out]
             self.punica.add_expand_stacked(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias)

@@ -33,7 +33,6 @@ from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
 from replicas.parallel import ParallelContext
 from replicas.piecewise_graphs import PiecewiseGraphs
-from replicas.stacked_rows import PAD_ROWS
 from replicas.warm_up import warm_up
 
 @dataclass
@@ -118,9 +117,7 @@ class ModelRunner:
         specs = lora_module_specs(self.model)
         stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, cfg.lora_config, self.device, self.ctx.tp_size,
                                             self.model_config.dtype)
-        # Zero rows past the last slot for warm_up's row tuning (stacked_rows.py), which runs on CUDA only.
-        pad = PAD_ROWS if self.device.type == "cuda" else 0
-        stacked = stack_lora_weights(self.model, specs, cfg.lora_config, pad) if stacked_tokens else {}
+        stacked = stack_lora_weights(self.model, specs, cfg.lora_config) if stacked_tokens else {}
         # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
         blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(cfg.lora_load_processes) + 1
         # Pinned memory is never paged out: the TP ranks' pools (one host) take at most a quarter of it.

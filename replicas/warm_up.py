@@ -10,11 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lora_core.punica.metadata import adapter_bound
-from replicas import stacked_rows
 from replicas.attention import AttentionMetadata
-from replicas.cuda_graphs import capture_sizes
-from replicas.lora_layers import StackedWeight
 
 if TYPE_CHECKING:
     from replicas.model_runner import ModelRunner
@@ -32,7 +28,6 @@ def warm_up(runner: "ModelRunner") -> int:
     """
     if runner.device.type != "cuda":
         return 0
-    tune_stacked_rows(runner)  # before anything is captured: the graphs freeze each GEMM's rows
     cfg = runner.cfg
     room = min(cfg.max_num_batched_tokens, runner.num_blocks * cfg.block_size)
     counts = (0, 1, min(runner.cfg.lora_config.max_loras, 8)) if runner.punica else (0,)
@@ -44,26 +39,6 @@ def warm_up(runner: "ModelRunner") -> int:
                     synthetic_step(runner, tokens, adapters, seqs)
     torch.cuda.synchronize(runner.device)
     return capture_graphs(runner)
-
-
-@torch.inference_mode()
-def tune_stacked_rows(runner: "ModelRunner", seconds=stacked_rows.cuda_seconds) -> int:
-    """Time the rows each stacked GEMM shape reads at every step size a graph covers and every slot bound
-    (replicas/stacked_rows.py; all TP ranks together). Returns the timings taken (0: nothing stacked)."""
-    punica = runner.punica
-    layers = [m.stacked for m in runner.model.modules() if isinstance(getattr(m, "stacked", None), StackedWeight)]
-    if punica is None or not layers or not punica.stacked_max_tokens:
-        return 0
-    sizes = set(capture_sizes(punica.stacked_max_tokens))
-    for graphs in (runner.decode_graphs, runner.piecewise):
-        sizes |= set(graphs.sizes) if graphs is not None else set()
-    bounds, bound = [], 1
-    while not bounds or bounds[-1] < punica.max_loras:
-        bounds.append(adapter_bound(bound, punica.max_loras))
-        bound *= 4
-    return stacked_rows.tune(((st.plan, st.weight) for st in layers),
-                             sorted(s for s in sizes if s <= punica.stacked_max_tokens), bounds, seconds,
-                             all_reduce=runner.ctx.all_reduce)
 
 
 @torch.inference_mode()

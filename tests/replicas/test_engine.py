@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 
@@ -11,7 +9,6 @@ from lora_core.request import LoRARequest
 from replicas.errors import InvalidRequestError
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
-from replicas.stacked_rows import PAD_ROWS
 
 STEPS = 12
 PROMPTS = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT", "Hello world, this is"]
@@ -107,32 +104,6 @@ def test_shrink_in_the_base_gemm_matches_hf_peft(demo, batch, hf_reference, max_
     assert runner.punica.stacked_max_tokens == stacked_max_tokens
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.stacked is not None and qkv.base.weight.data_ptr() == qkv.stacked.weight.data_ptr()
-    _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
-
-
-def test_tuned_stacked_rows_keep_the_outputs(demo, batch, hf_reference):
-    """Warm-up's row tuning (replicas/stacked_rows.py) may make a stacked GEMM read past its step's slot
-    bound: forced here to the most rows it may read everywhere (a fake clock), the tokens still match."""
-    from replicas.warm_up import tune_stacked_rows
-
-    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=16, max_lora_rank=32, max_cpu_loras=16,
-              dtype="float32", lora_stacked_max_tokens=256)
-    runner = llm.engine.executor.runner
-    linear = torch.nn.functional.linear
-
-    def most_rows_fastest(fn):
-        rows = []
-
-        def counting(x, w, *args):
-            rows.append(w.shape[0])
-            return linear(x, w, *args)
-        with mock.patch.object(torch.nn.functional, "linear", counting):
-            fn()
-        return -float(rows[0])
-
-    assert tune_stacked_rows(runner, most_rows_fastest) > 0
-    plan = runner.model.model.layers[0].self_attn.qkv_proj.stacked.plan
-    assert plan.rows(8, 4) == min(plan.exact(4) + PAD_ROWS, plan.capacity) > plan.exact(4)
     _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
 
 
