@@ -1,17 +1,24 @@
 """Per-step kernel metadata: tokens grouped by adapter slot, cut into M-tiles.
 
 Built once per model step (update_metadata) and read by every LoRA layer of
-that step. Everything is computed on the device into buffers allocated once,
-so building it never waits for the GPU and a decode step can be captured in a
-CUDA graph.
+that step. The step's slots are host data (the LoRAMapping), so the tiles are
+computed on the host with numpy and reach the device in one non-blocking copy:
+building them never waits for the GPU, and a decode step can be captured in a
+CUDA graph. (A first version derived them on the device: 42 small kernels per
+metadata, ~0.19 ms of every LoRA step's GPU time on an H200 before its graph
+could start; RESULTS.md, ninth session.)
 
 Layout, for T tokens with slots s[0..T) (-1 = no adapter):
+    slots      [T]        the slot of each token
     sorted_idx [T]        token indices ordered by slot (stable); the -1
                           tokens come first and are never referenced
     tile_lora  [max_tiles] slot of each M-tile, -1 past the last real tile
     tile_start [max_tiles] first position in sorted_idx covered by the tile
     tile_end   [max_tiles] end of that slot's run in sorted_idx
     num_tiles  [1]         how many tiles are real (the rest have tile_lora -1)
+all int32, consecutive in that order in one device buffer: their offsets
+follow from (T, max_tiles), which a CUDA graph's launch key fixes, so every
+replay of a graph reads the arrays where its step's copy wrote them.
 A tile holds up to block_m tokens of one slot, so the kernels never mix two
 adapters in one tl.dot (SGMV). max_tiles bounds sum_l ceil(c_l / block_m) by
 ceil(T / block_m) + min(T, L) - 1 whatever the popularity, L being the step's
@@ -20,6 +27,9 @@ adapters rounded up (adapter_bound): the kernels' grids are sized by it.
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import numpy as np
 import torch
 
 
@@ -59,16 +69,10 @@ class PunicaMetadata:
         self.bgmv_max_rows = bgmv_max_rows
         self.num_slots = num_slots
         self.device = device
-        int32 = dict(dtype=torch.int32, device=device)
-        worst_tiles = max_tiles(max_rows, num_slots, 16)
-        self._slots = torch.full((max_rows,), -1, **int32)
-        self._sorted_idx = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self._tile_lora = torch.full((worst_tiles,), -1, **int32)
-        self._tile_start = torch.zeros(worst_tiles, **int32)
-        self._tile_end = torch.zeros(worst_tiles, **int32)
-        self._counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
-        self._tile_ids = torch.arange(worst_tiles, dtype=torch.int64, device=device)
-        self._num_tiles = torch.zeros(1, **int32)  # real tiles of the step: the kernels deal work over them
+        # slots, sorted_idx (max_rows each), three tile arrays and num_tiles: the layout in the module doc
+        self._packed = torch.zeros(2 * max_rows + 3 * max_tiles(max_rows, num_slots, 16) + 1, dtype=torch.int32,
+                                   device=device)
+        self._views: tuple[torch.Tensor, ...] = self._split(0, 1)
         self.num_rows = 0
         self.num_adapters = 0  # distinct slots this step; 0 lets layers skip LoRA entirely
         self.slot_bound = num_slots  # the step's highest slot + 1, rounded up as adapter_bound does
@@ -76,25 +80,33 @@ class PunicaMetadata:
         self.use_bgmv = False
         self.max_tiles = 1
 
-    def update(self, slots: torch.Tensor, num_adapters: int, slot_bound: int | None = None) -> None:
-        """Take this step's slot per row (int32 on the device, -1 = none) and derive the tiles.
+    def update(self, slots: Sequence[int], num_adapters: int, slot_bound: int | None = None) -> None:
+        """Take this step's slot per row (host ints, -1 = none), derive the tiles and copy them over.
 
         num_adapters: distinct slots in use, known on the host. It sets the tile height and bounds the
         tile count (layout), so it must not be lower than the truth: tiles past the bound are dropped.
         slot_bound: no row's slot is at or past it (host-known; default every slot): how many slots'
         A rows a stacked GEMM must cover (lora_core/stacked_a.py).
         """
-        n = slots.shape[0]
+        n = len(slots)
         if n > self.max_rows:
             raise ValueError(f"{n} rows exceed the {self.max_rows} this PunicaWrapper was sized for")
         self.num_rows = n
         self.num_adapters = num_adapters
         self.slot_bound = self.num_slots if slot_bound is None else slot_bound
         self.block_m, self.use_bgmv, self.max_tiles = self.layout(n, num_adapters)
+        self._views = self._split(n, self.max_tiles)
         if n == 0:
             return
-        self._slots[:n].copy_(slots, non_blocking=True)
-        self.rebuild()
+        host = torch.empty(2 * n + 3 * self.max_tiles + 1, dtype=torch.int32,
+                           pin_memory=self.device.type == "cuda")
+        host_tiles(np.asarray(slots, dtype=np.int32), self.num_slots, self.block_m, self.max_tiles, host.numpy())
+        # Non-blocking from pinned memory: the caching host allocator keeps `host` until the copy has run.
+        self._packed[:host.shape[0]].copy_(host, non_blocking=True)
+
+    def _split(self, n: int, tiles: int) -> tuple[torch.Tensor, ...]:
+        """Views of the packed buffer for a step of n rows and `tiles` tile slots (the module doc's order)."""
+        return tuple(self._packed[:2 * n + 3 * tiles + 1].split([n, n, tiles, tiles, tiles, 1]))
 
     def layout(self, num_rows: int, num_adapters: int) -> tuple[int, bool, int]:
         """(block_m, use_bgmv, max_tiles): every host-side launch parameter the kernels take from a step.
@@ -113,50 +125,51 @@ class PunicaMetadata:
             return (num_rows, 0)
         return (num_rows, 1, *self.layout(num_rows, num_adapters))
 
-    def rebuild(self) -> None:
-        """Recompute tiles from the slots already in the buffer (device work only)."""
-        n, bm, L = self.num_rows, self.block_m, self.num_slots
-        slots = self._slots[:n]
-        order = torch.sort(slots, stable=True).indices
-        self._sorted_idx[:n].copy_(order)
-        bins = (slots.long() + 1).clamp_(0, L)
-        counts = self._counts.zero_().scatter_add_(0, bins, torch.ones_like(bins))
-        ends = torch.cumsum(counts, 0)  # bin b (slot b-1) occupies [ends[b]-counts[b], ends[b])
-        starts = ends - counts
-        tiles_per_slot = (counts[1:] + bm - 1) // bm
-        tile_cum = torch.cumsum(tiles_per_slot, 0)
-        ids = self._tile_ids[: self.max_tiles]
-        slot = torch.searchsorted(tile_cum, ids, right=True)
-        valid = slot < L
-        slot = slot.clamp_(max=L - 1)
-        first_tile = tile_cum[slot] - tiles_per_slot[slot]
-        start = starts[slot + 1] + (ids - first_tile) * bm
-        self._tile_lora[: self.max_tiles].copy_(torch.where(valid, slot, -1))
-        self._tile_start[: self.max_tiles].copy_(start)
-        self._tile_end[: self.max_tiles].copy_(ends[slot + 1])
-        self._num_tiles.copy_(tile_cum[-1:].clamp(max=self.max_tiles))
-
     @property
     def slots(self) -> torch.Tensor:
-        return self._slots[: self.num_rows]
+        return self._views[0]
 
     @property
     def sorted_idx(self) -> torch.Tensor:
-        return self._sorted_idx[: self.num_rows]
+        return self._views[1]
 
     @property
     def tile_lora(self) -> torch.Tensor:
-        return self._tile_lora[: self.max_tiles]
+        return self._views[2]
 
     @property
     def tile_start(self) -> torch.Tensor:
-        return self._tile_start[: self.max_tiles]
+        return self._views[3]
 
     @property
     def tile_end(self) -> torch.Tensor:
-        return self._tile_end[: self.max_tiles]
+        return self._views[4]
 
     @property
     def num_tiles(self) -> torch.Tensor:
         """[1] int32: tiles holding tokens (the first num_tiles of tile_lora are >= 0)."""
-        return self._num_tiles
+        return self._views[5]
+
+
+def host_tiles(slots: np.ndarray, num_slots: int, block_m: int, num_tiles: int, out: np.ndarray) -> None:
+    """The module doc's arrays for int32 slots [T] into out [2T + 3 num_tiles + 1] (numpy, on the host).
+
+    Tiles run slot by slot in slot order, ceil(count / block_m) per slot; tile slots past the real
+    tiles get slot -1 (and start / end 0)."""
+    n = slots.shape[0]
+    out[:n] = slots
+    out[n:2 * n] = np.argsort(slots, kind="stable")
+    counts = np.bincount(np.clip(slots.astype(np.int64) + 1, 0, num_slots), minlength=num_slots + 1)
+    ends = np.cumsum(counts)  # bin b (slot b - 1) occupies [ends[b] - counts[b], ends[b]) of sorted_idx
+    per_slot = (counts[1:] + block_m - 1) // block_m
+    cum = np.cumsum(per_slot)
+    ids = np.arange(num_tiles)
+    slot = np.searchsorted(cum, ids, side="right")
+    real = slot < num_slots
+    slot = np.minimum(slot, num_slots - 1)
+    first = cum[slot] - per_slot[slot]
+    tiles = out[2 * n:2 * n + 3 * num_tiles].reshape(3, num_tiles)
+    tiles[0] = np.where(real, slot, -1)
+    tiles[1] = np.where(real, ends[slot + 1] - counts[slot + 1] + (ids - first) * block_m, 0)
+    tiles[2] = np.where(real, ends[slot + 1], 0)
+    out[-1] = min(int(cum[-1]), num_tiles)

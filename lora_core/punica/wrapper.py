@@ -71,20 +71,19 @@ class PunicaWrapper:
 
     def update_metadata(self, mapping: LoRAMapping, lora_index_to_id: Sequence[int | None],
                         max_loras: int | None = None, **_: object) -> None:
-        """Map this step's lora ids to slots and rebuild the tiles (device work, no sync)."""
+        """Map this step's lora ids to slots and build the tiles (host work and one copy each, no sync)."""
         if max_loras is not None and max_loras != self.max_loras:
             raise ValueError(f"PunicaWrapper was built for {self.max_loras} slots, not {max_loras}")
         slot_of = {lora_id: slot for slot, lora_id in enumerate(lora_index_to_id) if lora_id is not None}
 
-        def to_slots(ids: tuple[int, ...], what: str) -> tuple[torch.Tensor, int, int]:
+        def to_slots(ids: tuple[int, ...], what: str) -> tuple[list[int], int, int]:
             try:
                 slots = [slot_of[i] if i else -1 for i in ids]
             except KeyError as exc:
                 raise UnknownLoRAError(f"LoRAMapping.{what} uses lora id {exc.args[0]}, "
                                        "which holds no GPU slot; activate it first") from None
-            host = torch.tensor(slots, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             bound = adapter_bound(max(slots, default=-1) + 1, self.max_loras)
-            return host.to(self.device, non_blocking=True), len(set(slots) - {-1}), bound
+            return slots, len(set(slots) - {-1}), bound
 
         self.token_meta.update(*to_slots(mapping.index_mapping, "index_mapping"))
         self.sampler_meta.update(*to_slots(mapping.prompt_mapping, "prompt_mapping"))
@@ -151,9 +150,8 @@ class PunicaWrapper:
         """
         top = max(num_adapters, slot_bound or 0)
 
-        def slots(n: int) -> torch.Tensor:
-            ids = [top - num_adapters + i % num_adapters if num_adapters else -1 for i in range(n)]
-            return torch.tensor(ids, dtype=torch.int32).to(self.device)
+        def slots(n: int) -> list[int]:
+            return [top - num_adapters + i % num_adapters if num_adapters else -1 for i in range(n)]
 
         sampled = num_rows if num_sampled is None else num_sampled
         bound = adapter_bound(top, self.max_loras)

@@ -6,13 +6,14 @@ float32 and float16; on a GPU the same tests run in bfloat16 and float16.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.punica import PunicaWrapper
-from lora_core.punica.metadata import adapter_bound, max_tiles
+from lora_core.punica.metadata import adapter_bound, host_tiles, max_tiles
 from tests.lora_core.punica_cases import POPULARITY, stacked_weights, token_slots
 
 ON_GPU = torch.cuda.is_available()
@@ -168,10 +169,11 @@ def test_metadata_tiles_cover_each_adapter_token_once():
     for popularity in POPULARITY:
         slots = token_slots(300, NUM_SLOTS, popularity, g, none_fraction=0.25)
         w = PunicaWrapper(512, NUM_SLOTS, "cpu", backend="torch")
-        before = w.token_meta._tile_lora.data_ptr()
+        before = w.token_meta._packed.data_ptr()
         w.update_metadata(_mapping(slots, [1, 2, 3, 4, 5, 6], True), [1, 2, 3, 4, 5, 6])
         meta = w.token_meta
-        assert meta._tile_lora.data_ptr() == before, "metadata buffers are allocated once"
+        assert meta._packed.data_ptr() == before, "metadata buffers are allocated once"
+        assert meta.slots.tolist() == slots and meta.num_tiles.item() == sum(t >= 0 for t in meta.tile_lora.tolist())
         seen = []
         for lora, start, end in zip(meta.tile_lora.tolist(), meta.tile_start.tolist(), meta.tile_end.tolist()):
             if lora < 0:
@@ -180,6 +182,41 @@ def test_metadata_tiles_cover_each_adapter_token_once():
             assert all(slots[r] == lora for r in rows)
             seen += rows
         assert sorted(seen) == [i for i, s in enumerate(slots) if s >= 0]
+
+
+def test_metadata_of_steps_with_one_launch_key_sits_at_the_same_addresses():
+    """A CUDA graph keeps the pointers of the step it captured: every later step with its launch key (rows
+    and layout) must write its slots and tiles where that graph reads them, and another key elsewhere."""
+    w = PunicaWrapper(64, NUM_SLOTS, "cpu", backend="torch")
+    ids = list(range(1, NUM_SLOTS + 1))
+
+    def step(slots):
+        w.update_metadata(_mapping(slots, ids, False), ids)
+        m = w.token_meta
+        return m.launch_key(m.num_rows, m.num_adapters), [t.data_ptr() for t in (
+            m.slots, m.sorted_idx, m.tile_lora, m.tile_start, m.tile_end, m.num_tiles)], m.slots.tolist()
+
+    key_a, ptrs_a, _ = step([0, 1, 1, 2])
+    key_b, ptrs_b, seen = step([3, 3, 4, 0])
+    assert key_a == key_b and ptrs_a == ptrs_b and seen == [3, 3, 4, 0]
+    key_c, ptrs_c, _ = step([0] * 20)
+    assert key_c != key_a and ptrs_c[1:] != ptrs_a[1:]
+
+
+def test_host_tiles_drop_tiles_past_the_bound_and_mark_the_rest():
+    """More tiles than max_tiles: the first max_tiles in slot order stay, num_tiles says how many."""
+    slots = np.array([2, 0, 2, 2, -1, 0, 1], dtype=np.int32)
+    out = np.zeros(2 * 7 + 3 * 4 + 1, dtype=np.int32)
+    host_tiles(slots, 3, 2, 4, out)  # tiles of 2 rows: slot 0 -> 1 tile, 1 -> 1, 2 -> 2; all 4 fit
+    assert out[7:14].tolist() == [4, 1, 5, 6, 0, 2, 3]  # stable: -1 first, then slots 0, 1, 2
+    assert out[14:18].tolist() == [0, 1, 2, 2] and out[18:22].tolist() == [1, 3, 4, 6]
+    assert out[22:26].tolist() == [3, 4, 7, 7] and out[-1] == 4
+    short = np.zeros(2 * 7 + 3 * 3 + 1, dtype=np.int32)
+    host_tiles(slots, 3, 2, 3, short)
+    assert short[14:17].tolist() == [0, 1, 2] and short[-1] == 3
+    idle = np.zeros(2 * 2 + 3 * 2 + 1, dtype=np.int32)
+    host_tiles(np.array([-1, -1], dtype=np.int32), 3, 16, 2, idle)
+    assert idle[4:6].tolist() == [-1, -1] and idle[-1] == 0
 
 
 def test_errors_are_clear():
