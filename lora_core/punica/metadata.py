@@ -16,9 +16,11 @@ Layout, for T tokens with slots s[0..T) (-1 = no adapter):
     tile_start [max_tiles] first position in sorted_idx covered by the tile
     tile_end   [max_tiles] end of that slot's run in sorted_idx
     num_tiles  [1]         how many tiles are real (the rest have tile_lora -1)
-all int32, consecutive in that order in one device buffer: their offsets
-follow from (T, max_tiles), which a CUDA graph's launch key fixes, so every
-replay of a graph reads the arrays where its step's copy wrote them.
+all int32, in that order in one device buffer, each starting 16-byte aligned
+(Triton specializes a kernel on its pointers' alignment: unaligned starts that
+vary with T compiled new variants while serving). Their offsets follow from
+(T, max_tiles), which a CUDA graph's launch key fixes, so every replay of a
+graph reads the arrays where its step's copy wrote them.
 A tile holds up to block_m tokens of one slot, so the kernels never mix two
 adapters in one tl.dot (SGMV). max_tiles bounds sum_l ceil(c_l / block_m) by
 ceil(T / block_m) + min(T, L) - 1 whatever the popularity, L being the step's
@@ -70,8 +72,8 @@ class PunicaMetadata:
         self.num_slots = num_slots
         self.device = device
         # slots, sorted_idx (max_rows each), three tile arrays and num_tiles: the layout in the module doc
-        self._packed = torch.zeros(2 * max_rows + 3 * max_tiles(max_rows, num_slots, 16) + 1, dtype=torch.int32,
-                                   device=device)
+        self._packed = torch.zeros(_offsets(max_rows, max_tiles(max_rows, num_slots, 16))[-1] + 1,
+                                   dtype=torch.int32, device=device)
         self._views: tuple[torch.Tensor, ...] = self._split(0, 1)
         self.num_rows = 0
         self.num_adapters = 0  # distinct slots this step; 0 lets layers skip LoRA entirely
@@ -98,15 +100,18 @@ class PunicaMetadata:
         self._views = self._split(n, self.max_tiles)
         if n == 0:
             return
-        host = torch.empty(2 * n + 3 * self.max_tiles + 1, dtype=torch.int32,
-                           pin_memory=self.device.type == "cuda")
-        host_tiles(np.asarray(slots, dtype=np.int32), self.num_slots, self.block_m, self.max_tiles, host.numpy())
+        offsets = _offsets(n, self.max_tiles)
+        host = torch.zeros(offsets[-1] + 1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        arrays = host_tiles(np.asarray(slots, dtype=np.int32), self.num_slots, self.block_m, self.max_tiles)
+        out = host.numpy()
+        for offset, array in zip(offsets, arrays):
+            out[offset:offset + array.shape[0]] = array
         # Non-blocking from pinned memory: the caching host allocator keeps `host` until the copy has run.
         self._packed[:host.shape[0]].copy_(host, non_blocking=True)
 
     def _split(self, n: int, tiles: int) -> tuple[torch.Tensor, ...]:
         """Views of the packed buffer for a step of n rows and `tiles` tile slots (the module doc's order)."""
-        return tuple(self._packed[:2 * n + 3 * tiles + 1].split([n, n, tiles, tiles, tiles, 1]))
+        return tuple(self._packed[o:o + size] for o, size in zip(_offsets(n, tiles), (n, n, tiles, tiles, tiles, 1)))
 
     def layout(self, num_rows: int, num_adapters: int) -> tuple[int, bool, int]:
         """(block_m, use_bgmv, max_tiles): every host-side launch parameter the kernels take from a step.
@@ -151,14 +156,23 @@ class PunicaMetadata:
         return self._views[5]
 
 
-def host_tiles(slots: np.ndarray, num_slots: int, block_m: int, num_tiles: int, out: np.ndarray) -> None:
-    """The module doc's arrays for int32 slots [T] into out [2T + 3 num_tiles + 1] (numpy, on the host).
+def _offsets(n: int, tiles: int) -> tuple[int, ...]:
+    """Where slots, sorted_idx, tile_lora, tile_start, tile_end and num_tiles start in the packed buffer:
+    consecutive, each at a multiple of four int32s (16 bytes)."""
+    out, at = [], 0
+    for size in (n, n, tiles, tiles, tiles, 1):
+        out.append(at)
+        at += -(-size // 4) * 4
+    return tuple(out)
+
+
+def host_tiles(slots: np.ndarray, num_slots: int, block_m: int,
+               num_tiles: int) -> tuple[np.ndarray, ...]:
+    """The module doc's arrays for int32 slots [T] (numpy, on the host): slots, sorted_idx, tile_lora,
+    tile_start, tile_end [num_tiles] and num_tiles [1].
 
     Tiles run slot by slot in slot order, ceil(count / block_m) per slot; tile slots past the real
     tiles get slot -1 (and start / end 0)."""
-    n = slots.shape[0]
-    out[:n] = slots
-    out[n:2 * n] = np.argsort(slots, kind="stable")
     counts = np.bincount(np.clip(slots.astype(np.int64) + 1, 0, num_slots), minlength=num_slots + 1)
     ends = np.cumsum(counts)  # bin b (slot b - 1) occupies [ends[b] - counts[b], ends[b]) of sorted_idx
     per_slot = (counts[1:] + block_m - 1) // block_m
@@ -168,8 +182,6 @@ def host_tiles(slots: np.ndarray, num_slots: int, block_m: int, num_tiles: int, 
     real = slot < num_slots
     slot = np.minimum(slot, num_slots - 1)
     first = cum[slot] - per_slot[slot]
-    tiles = out[2 * n:2 * n + 3 * num_tiles].reshape(3, num_tiles)
-    tiles[0] = np.where(real, slot, -1)
-    tiles[1] = np.where(real, ends[slot + 1] - counts[slot + 1] + (ids - first) * block_m, 0)
-    tiles[2] = np.where(real, ends[slot + 1], 0)
-    out[-1] = min(int(cum[-1]), num_tiles)
+    return (slots, np.argsort(slots, kind="stable"), np.where(real, slot, -1),
+            np.where(real, ends[slot + 1] - counts[slot + 1] + (ids - first) * block_m, 0),
+            np.where(real, ends[slot + 1], 0), np.array([min(int(cum[-1]), num_tiles)]))

@@ -206,17 +206,27 @@ def test_metadata_of_steps_with_one_launch_key_sits_at_the_same_addresses():
 def test_host_tiles_drop_tiles_past_the_bound_and_mark_the_rest():
     """More tiles than max_tiles: the first max_tiles in slot order stay, num_tiles says how many."""
     slots = np.array([2, 0, 2, 2, -1, 0, 1], dtype=np.int32)
-    out = np.zeros(2 * 7 + 3 * 4 + 1, dtype=np.int32)
-    host_tiles(slots, 3, 2, 4, out)  # tiles of 2 rows: slot 0 -> 1 tile, 1 -> 1, 2 -> 2; all 4 fit
-    assert out[7:14].tolist() == [4, 1, 5, 6, 0, 2, 3]  # stable: -1 first, then slots 0, 1, 2
-    assert out[14:18].tolist() == [0, 1, 2, 2] and out[18:22].tolist() == [1, 3, 4, 6]
-    assert out[22:26].tolist() == [3, 4, 7, 7] and out[-1] == 4
-    short = np.zeros(2 * 7 + 3 * 3 + 1, dtype=np.int32)
-    host_tiles(slots, 3, 2, 3, short)
-    assert short[14:17].tolist() == [0, 1, 2] and short[-1] == 3
-    idle = np.zeros(2 * 2 + 3 * 2 + 1, dtype=np.int32)
-    host_tiles(np.array([-1, -1], dtype=np.int32), 3, 16, 2, idle)
-    assert idle[4:6].tolist() == [-1, -1] and idle[-1] == 0
+    # tiles of 2 rows: slot 0 -> 1 tile, 1 -> 1, 2 -> 2; all 4 fit
+    _, order, lora, start, end, count = [a.tolist() for a in host_tiles(slots, 3, 2, 4)]
+    assert order == [4, 1, 5, 6, 0, 2, 3]  # stable: -1 first, then slots 0, 1, 2
+    assert lora == [0, 1, 2, 2] and start == [1, 3, 4, 6] and end == [3, 4, 7, 7] and count == [4]
+    _, _, lora, _, _, count = [a.tolist() for a in host_tiles(slots, 3, 2, 3)]
+    assert lora == [0, 1, 2] and count == [3]
+    _, _, lora, _, _, count = [a.tolist() for a in host_tiles(np.array([-1, -1], dtype=np.int32), 3, 16, 2)]
+    assert lora == [-1, -1] and count == [0]
+
+
+def test_metadata_arrays_start_16_byte_aligned_whatever_the_row_count():
+    """Triton specializes kernels on pointer alignment: every array must start aligned for every step size,
+    or steps of new sizes compile new kernel variants while serving."""
+    w = PunicaWrapper(64, NUM_SLOTS, "cpu", backend="torch")
+    ids = list(range(1, NUM_SLOTS + 1))
+    for n in (1, 2, 3, 5, 7, 13, 33):
+        w.update_metadata(_mapping([i % 3 for i in range(n)], ids, False), ids)
+        m = w.token_meta
+        views = (m.slots, m.sorted_idx, m.tile_lora, m.tile_start, m.tile_end, m.num_tiles)
+        assert all(v.data_ptr() % 16 == 0 for v in views), n
+        assert m.slots.tolist() == [i % 3 for i in range(n)] and m.num_tiles.item() == len(set(m.slots.tolist()))
 
 
 def test_errors_are_clear():
