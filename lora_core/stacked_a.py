@@ -75,4 +75,3 @@ def check_stacked_a(stacked_a: dict[str, torch.Tensor], layout: SlotLayout, num_
         if not rows[0].is_contiguous():
             raise LoRAConfigError(f"{name}: each slot's stacked A rows must be contiguous")
     return dict(stacked_a)
-

@@ -74,7 +74,7 @@ class PunicaMetadata:
         # slots, sorted_idx (max_rows each), three tile arrays and num_tiles: the layout in the module doc
         self._packed = torch.zeros(_offsets(max_rows, max_tiles(max_rows, num_slots, 16))[-1] + 1,
                                    dtype=torch.int32, device=device)
-        self._views: tuple[torch.Tensor, ...] = self._split(0, 1)
+        self._views: tuple[torch.Tensor, ...] = self._split(_offsets(0, 1), 0, 1)
         self.num_rows = 0
         self.num_adapters = 0  # distinct slots this step; 0 lets layers skip LoRA entirely
         self.slot_bound = num_slots  # the step's highest slot + 1, rounded up as adapter_bound does
@@ -97,11 +97,12 @@ class PunicaMetadata:
         self.num_adapters = num_adapters
         self.slot_bound = self.num_slots if slot_bound is None else slot_bound
         self.block_m, self.use_bgmv, self.max_tiles = self.layout(n, num_adapters)
-        self._views = self._split(n, self.max_tiles)
+        offsets = _offsets(n, self.max_tiles)
+        self._views = self._split(offsets, n, self.max_tiles)
         if n == 0:
             return
-        offsets = _offsets(n, self.max_tiles)
-        host = torch.zeros(offsets[-1] + 1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        # Every array is written in full; the alignment gaps between them are read by nothing.
+        host = torch.empty(offsets[-1] + 1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         arrays = host_tiles(np.asarray(slots, dtype=np.int32), self.num_slots, self.block_m, self.max_tiles)
         out = host.numpy()
         for offset, array in zip(offsets, arrays):
@@ -109,9 +110,9 @@ class PunicaMetadata:
         # Non-blocking from pinned memory: the caching host allocator keeps `host` until the copy has run.
         self._packed[:host.shape[0]].copy_(host, non_blocking=True)
 
-    def _split(self, n: int, tiles: int) -> tuple[torch.Tensor, ...]:
-        """Views of the packed buffer for a step of n rows and `tiles` tile slots (the module doc's order)."""
-        return tuple(self._packed[o:o + size] for o, size in zip(_offsets(n, tiles), (n, n, tiles, tiles, tiles, 1)))
+    def _split(self, offsets: tuple[int, ...], n: int, tiles: int) -> tuple[torch.Tensor, ...]:
+        """Views of the packed buffer at _offsets(n, tiles): a step of n rows and `tiles` tile slots."""
+        return tuple(self._packed[o:o + size] for o, size in zip(offsets, (n, n, tiles, tiles, tiles, 1)))
 
     def layout(self, num_rows: int, num_adapters: int) -> tuple[int, bool, int]:
         """(block_m, use_bgmv, max_tiles): every host-side launch parameter the kernels take from a step.
