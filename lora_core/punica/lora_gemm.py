@@ -1,0 +1,203 @@
+"""One launch per LoRA site at decode sizes: y = x @ W^T + per row x @ A[slot]^T @ B[slot]^T.
+
+Why: a decode step runs every LoRA linear as a cuBLAS GEMM and at least one
+LoRA kernel after it (an 8B model: 128 of them, 0.6-0.9 ms per step on an
+H200 even when their bytes take 0.1 ms; RESULTS.md, ninth session). Here one
+Triton kernel does both, and reads each active adapter's A and B once:
+
+    phase A  (the first MAXA x A_SPLITS tickets)  a K-split of s[j] = x @ A[active[j]]^T for every row,
+             [M, S*R] fp32 partials (the reader sums the splits, so the sum order never varies)
+    phase W  (the other tickets)  one N-tile of y = x @ W^T over a K-split; the program that completes
+             the tile adds, per row m of slot active[j], s[j][m, slice's R] @ B[slot][tile]^T
+
+Tickets (an atomic counter taken when a program starts) order the phases:
+a program that waits for phase A holds a later ticket than every program of
+phase A, which is therefore running already and waits for nothing, so the
+kernel cannot deadlock whatever order the GPU starts programs in. The program
+that takes the last exit ticket zeroes the counters for the next launch, and
+the last K-split of a tile sums the others' partials (no second kernel).
+
+The expand gathers each row's B tile [BN, R] (rows of one adapter hit L2;
+the loads are issued before the K loop unless prefetch_b is off), so the
+step's A and B bytes are read once. A dense form (one tl.dot over every
+active adapter's R columns) was tried: it costs MAXA x R x BN registers and
+lost at 14 adapters and more (RESULTS.md, tenth session).
+
+Status: measured per site and in situ (bench/lora_gemm.py); the engine does
+not call it yet. Requires: rank a power of two >= 16, block_n dividing every
+output slice, block_k dividing K.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def lora_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, a_ptr, b_ptr, rows_ptr, active_ptr, num_active_ptr, slice_off_ptr,
+    s_ws_ptr, y_ws_ptr, cnt_ptr, tile_cnt_ptr,
+    M, N, K,
+    sx_m, sw_n, sy_m, sa_l, sa_q, sb_l, sb_n,
+    SR: tl.constexpr, SRP: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
+    SPLIT_W: tl.constexpr, MAXA: tl.constexpr, A_SPLITS: tl.constexpr, PREFETCH_B: tl.constexpr,
+):
+    grid = tl.num_programs(0)
+    ticket = tl.atomic_add(cnt_ptr, 1)
+    offs_m = tl.arange(0, BM)
+    m_mask = offs_m < M
+    if ticket < MAXA * A_SPLITS:
+        j = ticket // A_SPLITS
+        a_split = ticket % A_SPLITS
+        if j < tl.load(num_active_ptr):
+            slot = tl.load(active_ptr + j)
+            offs_q = tl.arange(0, SRP)
+            q_mask = offs_q < SR
+            acc_s = tl.zeros((BM, SRP), dtype=tl.float32)
+            a_rows = a_ptr + slot.to(tl.int64) * sa_l + offs_q[None, :] * sa_q
+            ka_chunk = tl.cdiv(K, A_SPLITS * BKA) * BKA
+            for k in range(a_split * ka_chunk, tl.minimum(a_split * ka_chunk + ka_chunk, K), BKA):
+                offs_k = k + tl.arange(0, BKA)
+                k_mask = offs_k < K
+                xt = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                             other=0.0)
+                at = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & q_mask[None, :], other=0.0)
+                acc_s += tl.dot(xt, at)
+            tl.store(s_ws_ptr + (a_split * MAXA + j) * BM * SRP + offs_m[:, None] * SRP + offs_q[None, :], acc_s)
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr + 1, 1, sem="release")
+    else:
+        t = ticket - MAXA * A_SPLITS
+        tile = t // SPLIT_W
+        split = t % SPLIT_W
+        n0 = tile * BN
+        offs_n = n0 + tl.arange(0, BN)
+        if MAXA > 0:
+            # Everything the LoRA epilogue needs but phase A's output, loaded before the K loop: each row's
+            # slot and active index, the tile's slice, and each row's B tile (rows of one adapter hit L2).
+            row_slot = tl.load(rows_ptr + offs_m, mask=m_mask, other=-1)
+            row_act = tl.load(rows_ptr + M + offs_m, mask=m_mask, other=-1)
+            sl = 0
+            for i in tl.static_range(1, S):
+                sl += (n0 >= tl.load(slice_off_ptr + i)).to(tl.int32)
+            offs_r = tl.arange(0, R)
+            if PREFETCH_B:
+                bg = tl.load(b_ptr + row_slot[:, None, None].to(tl.int64) * sb_l
+                             + offs_n[None, :, None].to(tl.int64) * sb_n + offs_r[None, None, :],
+                             mask=(row_slot >= 0)[:, None, None], other=0.0)
+        k_chunk = tl.cdiv(K, SPLIT_W * BK) * BK
+        k_lo = split * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, K)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * sw_n
+        for k in range(k_lo, k_hi, BK):
+            offs_k = k + tl.arange(0, BK)
+            xt = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            wt = tl.load(w_rows + offs_k[None, :])
+            acc += tl.dot(xt, tl.trans(wt))
+        last = True
+        if SPLIT_W > 1:
+            part = y_ws_ptr + tile * (SPLIT_W * BM * BN) + offs_m[:, None] * BN + tl.arange(0, BN)[None, :]
+            tl.store(part + split * BM * BN, acc)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(tile_cnt_ptr + tile, 1, sem="acq_rel")
+            last = arrived == SPLIT_W - 1
+            if last:
+                for other in range(SPLIT_W):
+                    if other != split:
+                        acc += tl.load(part + other * BM * BN, cache_modifier=".cg")
+                tl.store(tile_cnt_ptr + tile, 0)
+        if last:
+            if MAXA > 0:
+                done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+                while done < MAXA * A_SPLITS:
+                    done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+                if not PREFETCH_B:
+                    bg = tl.load(b_ptr + row_slot[:, None, None].to(tl.int64) * sb_l
+                                 + offs_n[None, :, None].to(tl.int64) * sb_n + offs_r[None, None, :],
+                                 mask=(row_slot >= 0)[:, None, None], other=0.0)
+                s_rows = s_ws_ptr + row_act[:, None] * (BM * SRP) + offs_m[:, None] * SRP + sl * R + offs_r[None, :]
+                srow = tl.zeros((BM, R), dtype=tl.float32)
+                for sp in tl.static_range(A_SPLITS):
+                    srow += tl.load(s_rows + sp * (MAXA * BM * SRP), mask=(row_act >= 0)[:, None], other=0.0,
+                                    cache_modifier=".cg")
+                acc += tl.sum(bg.to(tl.float32) * srow[:, None, :], axis=2)
+            tl.store(y_ptr + offs_m[:, None] * sy_m + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=m_mask[:, None])
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr + 2, 1, sem="acq_rel") == grid - 1:
+        tl.store(cnt_ptr, 0)
+        tl.store(cnt_ptr + 1, 0)
+        tl.store(cnt_ptr + 2, 0)
+
+
+class LoRAGemm:
+    """Workspaces and launch of lora_gemm_kernel for one site (its counters are its own: launches of two
+    sites never share them)."""
+
+    def __init__(self, n: int, k: int, slices: tuple[int, ...], rank: int, max_rows: int, max_active: int,
+                 device, block_n: int = 64, block_k: int = 128, split_w: int = 1, block_ka: int = 128,
+                 num_warps: int = 4, num_stages: int = 4, a_splits: int = 1, prefetch_b: bool = True) -> None:
+        if n % block_n or any(width % block_n for width in slices) or k % block_k:
+            raise ValueError(f"block_n {block_n} must divide N {n} and every slice {slices}; block_k {block_k} K {k}")
+        self.n, self.k, self.slices, self.rank = n, k, slices, rank
+        self.block_m = max(16, triton.next_power_of_2(max_rows))
+        self.block_n, self.block_k, self.split_w, self.block_ka = block_n, block_k, split_w, block_ka
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.a_splits, self.prefetch_b = a_splits, prefetch_b
+        self.max_active = max_active
+        sr = len(slices) * rank
+        self.srp = max(16, triton.next_power_of_2(sr))
+        self.tiles = n // block_n
+        self.s_ws = torch.empty(a_splits * max(1, max_active) * self.block_m * self.srp, dtype=torch.float32, device=device)
+        self.y_ws = torch.empty(self.tiles * split_w * self.block_m * block_n if split_w > 1 else 1,
+                                dtype=torch.float32, device=device)
+        self.cnt = torch.zeros(3, dtype=torch.int32, device=device)
+        self.tile_cnt = torch.zeros(self.tiles, dtype=torch.int32, device=device)
+        offsets = [0]
+        for width in slices:
+            offsets.append(offsets[-1] + width)
+        self.slice_off = torch.tensor(offsets, dtype=torch.int32, device=device)
+
+    def __call__(self, y, x, w, a, b, rows, active, num_active, max_active: int | None = None) -> None:
+        """y [M, N] = x [M, K] @ w [N, K]^T + LoRA. a [L, S*R, K] rows per slot (stride sa_q), b [L, N, R];
+        rows [2, M]: each row's slot (-1 none) and its index in active; active [>= num_active] the step's
+        distinct slots, num_active [1]."""
+        maxa = self.max_active if max_active is None else max_active
+        m = x.shape[0]
+        grid = (maxa * self.a_splits + self.tiles * self.split_w,)
+        lora_gemm_kernel[grid](
+            x, w, y, a, b, rows, active, num_active, self.slice_off,
+            self.s_ws, self.y_ws, self.cnt, self.tile_cnt,
+            m, self.n, self.k,
+            x.stride(0), w.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            SR=len(self.slices) * self.rank, SRP=self.srp, R=self.rank, S=len(self.slices),
+            BM=self.block_m, BN=self.block_n, BK=self.block_k, BKA=self.block_ka,
+            SPLIT_W=self.split_w, MAXA=maxa, A_SPLITS=self.a_splits, PREFETCH_B=self.prefetch_b,
+            num_warps=self.num_warps, num_stages=self.num_stages,
+        )
+
+
+def row_tables(slots: list[int]) -> tuple[list[int], list[int]]:
+    """(rows [2 * M]: slots then active indices, active slots) for a step's slot per row."""
+    active = sorted({s for s in slots if s >= 0})
+    index = {s: j for j, s in enumerate(active)}
+    return list(slots) + [index.get(s, -1) for s in slots], active
+
+
+def reference(x, w, a, b, slots, slices, rank) -> torch.Tensor:
+    """The plain-torch meaning: x @ w^T, plus for each row of slot s>=0 and slice i:
+    (x @ A[s, i*R:(i+1)*R]^T) @ B[s, slice i cols]^T."""
+    y = x.float() @ w.float().t()
+    start = 0
+    for i, width in enumerate(slices):
+        for row, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            s = x[row].float() @ a[slot, i * rank:(i + 1) * rank].float().t()
+            y[row, start:start + width] += s @ b[slot, start:start + width].float().t()
+        start += width
+    return y
