@@ -69,7 +69,8 @@ def sweep(rows: int, sites: list[str], lora: bool) -> dict[str, dict]:
         table = torch.tensor(table, dtype=torch.int32, device="cuda")
         active = torch.tensor(active, dtype=torch.int32, device="cuda")
         num_active = torch.ones(1, dtype=torch.int32, device="cuda")
-        want = reference(x, w, a, b, table[:rows].cpu(), slices, 16) if lora else torch.nn.functional.linear(x, w).float()
+        want = (reference(x, w, a, b, table[:rows].cpu(), slices, 16) if lora
+                else torch.nn.functional.linear(x, w).float())
         rows_out = []
         for cfg in configs(n, k, slices, lora, site):
             g = LoRAGemm(n, k, slices, 16, rows, int(lora), "cuda", **cfg)

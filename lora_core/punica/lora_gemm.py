@@ -152,7 +152,8 @@ class LoRAGemm:
         sr = len(slices) * rank
         self.srp = max(16, triton.next_power_of_2(sr))
         self.tiles = n // block_n
-        self.s_ws = torch.empty(a_splits * max(1, max_active) * self.block_m * self.srp, dtype=torch.float32, device=device)
+        self.s_ws = torch.empty(a_splits * max(1, max_active) * self.block_m * self.srp, dtype=torch.float32,
+                                device=device)
         self.y_ws = torch.empty(self.tiles * split_w * self.block_m * block_n if split_w > 1 else 1,
                                 dtype=torch.float32, device=device)
         self.cnt = torch.zeros(3, dtype=torch.int32, device=device)
@@ -168,6 +169,11 @@ class LoRAGemm:
         distinct slots, num_active [1]."""
         maxa = self.max_active if max_active is None else max_active
         m = x.shape[0]
+        if maxa > self.max_active or m > self.block_m:
+            raise ValueError(f"{m} rows and {maxa} adapters exceed the {self.block_m} rows and {self.max_active} "
+                             "adapters this LoRAGemm's workspaces hold")
+        if any(t.stride(-1) != 1 for t in (x, w, y, a, b)):
+            raise ValueError("x, w, y, a and b must be contiguous along their last dimension")
         grid = (maxa * self.a_splits + self.tiles * self.split_w,)
         lora_gemm_kernel[grid](
             x, w, y, a, b, rows, active, num_active, self.slice_off,

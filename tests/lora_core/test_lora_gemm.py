@@ -46,8 +46,9 @@ def _tables(slots: list[int], max_active: int, active_slots: list[int] | None = 
     rows, active = row_tables(slots)
     active = active if active_slots is None else active_slots
     padded = active + [0] * max(0, max_active - len(active))
-    return (torch.tensor(rows, dtype=torch.int32, device=DEVICE), torch.tensor(padded, dtype=torch.int32, device=DEVICE),
-            torch.tensor([len(active)], dtype=torch.int32, device=DEVICE))
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+    return ints(rows), ints(padded), ints([len(active)])
 
 
 def _run(g: LoRAGemm, x, w, a, b, rows, active, num_active, **kw) -> torch.Tensor:
@@ -158,3 +159,16 @@ def test_block_n_must_divide_every_slice():
     with pytest.raises(ValueError, match="block_k"):
         LoRAGemm(64, 80, (64,), RANK, 4, 2, "cpu", block_n=32, block_k=32)
     LoRAGemm(64, 64, (32, 32), RANK, 4, 2, "cpu", block_n=32, block_k=32)  # widths that divide are accepted
+
+
+def test_launch_beyond_workspaces_is_refused():
+    """More adapters than the workspaces were sized for, or more rows than the row block, raise ValueError."""
+    w, a, b = _weights(32, 64, (32,), torch.float32, torch.Generator().manual_seed(3))
+    g = LoRAGemm(32, 64, (32,), RANK, 4, 1, DEVICE, block_n=16, block_k=32, block_ka=32)
+    rows, active, num_active = _tables([1, 2], 2)
+    with pytest.raises(ValueError, match="adapters"):
+        _run(g, torch.zeros(2, 64, device=DEVICE), w.float(), a.float(), b.float(), rows, active, num_active,
+             max_active=2)
+    rows, active, num_active = _tables([1] * 17, 1)
+    with pytest.raises(ValueError, match="rows"):
+        _run(g, torch.zeros(17, 64, device=DEVICE), w.float(), a.float(), b.float(), rows, active, num_active)
