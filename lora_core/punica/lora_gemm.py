@@ -15,7 +15,8 @@ a program that waits for phase A holds a later ticket than every program of
 phase A, which is therefore running already and waits for nothing, so the
 kernel cannot deadlock whatever order the GPU starts programs in. The program
 that takes the last exit ticket zeroes the counters for the next launch, and
-the last K-split of a tile sums the others' partials (no second kernel).
+the last K-split of a tile to arrive sums every split's partial in split
+order (no second kernel, and the same bits every launch).
 
 The expand gathers each row's B tile [BN, R] (rows of one adapter hit L2;
 the loads are issued before the K loop unless prefetch_b is off), so the
@@ -105,10 +106,10 @@ def lora_gemm_kernel(
             tl.debug_barrier()
             arrived = tl.atomic_add(tile_cnt_ptr + tile, 1, sem="acq_rel")
             last = arrived == SPLIT_W - 1
-            if last:
+            if last:  # every partial summed in split order, so launches agree bit for bit
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
                 for other in range(SPLIT_W):
-                    if other != split:
-                        acc += tl.load(part + other * BM * BN, cache_modifier=".cg")
+                    acc += tl.load(part + other * BM * BN, cache_modifier=".cg")
                 tl.store(tile_cnt_ptr + tile, 0)
         if last:
             if MAXA > 0:
@@ -141,6 +142,8 @@ class LoRAGemm:
     def __init__(self, n: int, k: int, slices: tuple[int, ...], rank: int, max_rows: int, max_active: int,
                  device, block_n: int = 64, block_k: int = 128, split_w: int = 1, block_ka: int = 128,
                  num_warps: int = 4, num_stages: int = 4, a_splits: int = 1, prefetch_b: bool = True) -> None:
+        if rank < 16 or rank & (rank - 1):
+            raise ValueError(f"rank {rank}: LoRAGemm needs a power of two >= 16 (pad the slots)")
         if n % block_n or any(width % block_n for width in slices) or k % block_k:
             raise ValueError(f"block_n {block_n} must divide N {n} and every slice {slices}; block_k {block_k} K {k}")
         self.n, self.k, self.slices, self.rank = n, k, slices, rank
@@ -166,7 +169,7 @@ class LoRAGemm:
     def __call__(self, y, x, w, a, b, rows, active, num_active, max_active: int | None = None) -> None:
         """y [M, N] = x [M, K] @ w [N, K]^T + LoRA. a [L, S*R, K] rows per slot (stride sa_q), b [L, N, R];
         rows [2, M]: each row's slot (-1 none) and its index in active; active [>= num_active] the step's
-        distinct slots, num_active [1]."""
+        distinct slots, num_active [1], at most max_active (a device value: the caller's to guarantee)."""
         maxa = self.max_active if max_active is None else max_active
         m = x.shape[0]
         if maxa > self.max_active or m > self.block_m:

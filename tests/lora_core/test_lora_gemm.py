@@ -95,7 +95,7 @@ def test_matches_reference(m, slices, k, block_n, split_w, a_splits, prefetch_b,
     assert _counters_zero(g), (g.cnt, g.tile_cnt)
 
 
-@pytest.mark.parametrize("split_w,a_splits", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("split_w,a_splits", [(1, 1), (2, 3), (4, 2)])
 def test_repeated_launches_agree_and_reset_counters(split_w, a_splits):
     """Launches of one LoRAGemm give the same bits each time, whatever ran between them, and every launch
     leaves cnt and tile_cnt at zero for the next."""
@@ -159,6 +159,9 @@ def test_block_n_must_divide_every_slice():
     with pytest.raises(ValueError, match="block_k"):
         LoRAGemm(64, 80, (64,), RANK, 4, 2, "cpu", block_n=32, block_k=32)
     LoRAGemm(64, 64, (32, 32), RANK, 4, 2, "cpu", block_n=32, block_k=32)  # widths that divide are accepted
+    for rank in (8, 24):  # the expand's tiles need a power of two >= 16
+        with pytest.raises(ValueError, match=f"rank {rank}"):
+            LoRAGemm(64, 64, (64,), rank, 4, 2, "cpu", block_n=32, block_k=32)
 
 
 def test_launch_beyond_workspaces_is_refused():
