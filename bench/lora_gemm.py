@@ -65,16 +65,17 @@ def sweep(rows: int, sites: list[str], lora: bool) -> dict[str, dict]:
         cublas = time_graph(graph_of(lambda: torch.nn.functional.linear(x, w)))
         a = torch.randn(4, len(slices) * 16, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         b = torch.randn(4, n, 16, device="cuda", dtype=torch.bfloat16) / 4
-        table, active = row_tables([2] * rows)
-        table = torch.tensor(table, dtype=torch.int32, device="cuda")
+        row_active, active = row_tables([2] * rows)
+        slots = torch.full((rows,), 2, dtype=torch.int32, device="cuda")
+        row_active = torch.tensor(row_active, dtype=torch.int32, device="cuda")
         active = torch.tensor(active, dtype=torch.int32, device="cuda")
         num_active = torch.ones(1, dtype=torch.int32, device="cuda")
-        want = (reference(x, w, a, b, table[:rows].cpu(), slices, 16) if lora
+        want = (reference(x, w, a, b, slots.cpu(), slices, 16) if lora
                 else torch.nn.functional.linear(x, w).float())
         rows_out = []
         for cfg in configs(n, k, slices, lora, site):
             g = LoRAGemm(n, k, slices, 16, rows, int(lora), "cuda", **cfg)
-            run = lambda g=g: g(y, x, w, a, b, table, active, num_active)  # noqa: E731
+            run = lambda g=g: g(y, x, w, a, b, slots, row_active, active, num_active)  # noqa: E731
             try:
                 run()
             except triton.runtime.errors.OutOfResources:
@@ -121,7 +122,7 @@ def in_situ(rows: int, rank: int, layers: int, best: dict, best_lora: dict, pops
         xs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k, _ in SITES.values()}
         ys = {name: torch.empty(rows, sum(sl), device="cuda", dtype=torch.bfloat16) for name, (_, sl) in SITES.items()}
         slots_t = torch.tensor(slots, dtype=torch.int32, device="cuda")
-        rows_t = torch.tensor(rows_l, dtype=torch.int32, device="cuda")
+        row_act = torch.tensor(rows_l, dtype=torch.int32, device="cuda")
         active = torch.tensor(act + [0] * (SLOTS - len(act)), dtype=torch.int32, device="cuda")
         num_active = torch.tensor([len(act)], dtype=torch.int32, device="cuda")
         ids = list(range(1, SLOTS + 1))
@@ -145,17 +146,17 @@ def in_situ(rows: int, rank: int, layers: int, best: dict, best_lora: dict, pops
         def fused():
             for layer in sites:
                 for name, st in layer.items():
-                    st.gemm(ys[name], xs[st.k], st.stacked[:st.n], st.a, st.b, rows_t, active, num_active)
+                    st.gemm(ys[name], xs[st.k], st.stacked[:st.n], st.a, st.b, slots_t, row_act, active, num_active)
 
         def fused_base():
             for layer in sites:
                 for name, st in layer.items():
-                    base_gemms[name](ys[name], xs[st.k], st.stacked[:st.n], st.a, st.b, rows_t, active, num_active)
+                    base_gemms[name](ys[name], xs[st.k], st.stacked[:st.n], st.a, st.b, slots_t, row_act, active, num_active)
 
         # correctness of one layer's sites against the torch reference
         errs = []
         for name, st in sites[0].items():
-            st.gemm(ys[name], xs[st.k], st.stacked[:st.n], st.a, st.b, rows_t, active, num_active)
+            st.gemm(ys[name], xs[st.k], st.stacked[:st.n], st.a, st.b, slots_t, row_act, active, num_active)
             want = reference(xs[st.k], st.stacked[:st.n], st.a, st.b, slots_t.cpu(), st.slices, rank)
             errs.append(((ys[name].float() - want).abs().max() / want.abs().max()).item())
         times = {fn.__name__: time_graph(graph_of(fn)) for fn in (base, fused_base, stacked, fused)}

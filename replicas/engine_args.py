@@ -55,6 +55,10 @@ class EngineArgs:
     # under the base weights (lora_core/stacked_a.py): one latency-bound kernel less per layer and
     # projection. None: 256 on CUDA, 0 (off) on CPU and with fully_sharded_loras under TP.
     lora_stacked_max_tokens: int | None = None
+    # Stacked steps of up to 32 token rows whose adapters round up (to a power of four) to at most this many
+    # run each LoRA linear in one launch: base GEMM, shrink and expand (lora_core/punica/lora_gemm.py; rank 16
+    # slots). None: 16 where the stacked path is on, else 0 (off).
+    lora_fused_max_adapters: int | None = None
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
@@ -63,6 +67,8 @@ class EngineArgs:
             raise ValueError(f"lora_merge_steps must be >= 0 (0: never merge), got {self.lora_merge_steps}")
         if self.lora_stacked_max_tokens is not None and self.lora_stacked_max_tokens < 0:
             raise ValueError(f"lora_stacked_max_tokens must be >= 0 (0: off), got {self.lora_stacked_max_tokens}")
+        if self.lora_fused_max_adapters is not None and self.lora_fused_max_adapters < 0:
+            raise ValueError(f"lora_fused_max_adapters must be >= 0 (0: off), got {self.lora_fused_max_adapters}")
         if self.lora_merge_steps and not self.enable_lora:
             raise ValueError("lora_merge_steps merges adapters: it needs enable_lora=True")
 

@@ -17,7 +17,9 @@ Stacked A (lora_core/stacked_a.py; not with fully_sharded_loras under TP): a
 linear layer's A slots sit as extra rows under its base weight, so steps of
 up to PunicaWrapper.stacked_max_tokens rows run one GEMM for the base output
 and every slot's shrink, then the expand; larger steps run base GEMM, shrink
-and expand as above, the shrink reading A from those same rows.
+and expand as above, the shrink reading A from those same rows. Stacked steps of few adapters and rows
+(PunicaWrapper's fused_max_adapters) run each layer without biases in one launch instead
+(lora_core/punica/lora_gemm.py), reading the same A rows and B slots.
 """
 
 from __future__ import annotations
@@ -63,6 +65,16 @@ def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: t
     if requested is None:
         return 256 if device.type == "cuda" else 0
     return requested
+
+
+def fused_max_adapters(requested: int | None, stacked_tokens: int) -> int:
+    """EngineArgs.lora_fused_max_adapters resolved: None is 16 where stacked steps run, else 0; it needs
+    the stacked weights (the one launch reads their A rows), so asking for it without them raises."""
+    if not stacked_tokens:
+        if requested:
+            raise LoRAConfigError("lora_fused_max_adapters reads the stacked A rows: it needs lora_stacked_max_tokens")
+        return 0
+    return 16 if requested is None else requested
 
 
 def stack_lora_weights(model: nn.Module, specs: list[LoRAModuleSpec], lora_config: LoRAConfig
@@ -124,8 +136,12 @@ class _LoRAWrapper(nn.Module):
         b = self.slots
         bound = self.punica.stacked_rows() if self.stacked is not None else None
         if bound is not None:
-            # One GEMM for the base output and every slot's shrink below the step's slot bound.
             st = self.stacked
+            if st.bias is None and b.bias is None:  # small steps of few adapters: the site in one launch
+                y = self.punica.add_lora_gemm(x, st.weight[:st.out], st.a_rows, b.lora_b, b.output_slices)
+                if y is not None:
+                    return y, y
+            # One GEMM for the base output and every slot's shrink below the step's slot bound.
             rows = st.out + bound * st.per_slot
             out = F.linear(x, st.weight[:rows], None if st.bias is None else st.bias[:rows])
             y = out[:, :st.out]

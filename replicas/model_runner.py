@@ -26,8 +26,8 @@ import torch.distributed as dist
 from replicas.adapter_loads import AdapterLoads
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
-from replicas.lora_layers import (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA, add_lora, lora_module_specs,
-                                  stack_lora_weights, stacked_max_tokens)
+from replicas.lora_layers import (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA, add_lora, fused_max_adapters,
+                                  lora_module_specs, stack_lora_weights, stacked_max_tokens)
 from replicas.lora_merge import LoRAMerger
 from replicas.model_config import ModelConfig
 from replicas.models import load_model, model_class
@@ -77,6 +77,7 @@ class RunnerConfig:
     lora_merge_steps: int = 0  # > 0: one adapter alone for this many steps runs merged (replicas/lora_merge.py)
     # steps of up to this many token rows shrink in the base GEMMs (lora_core/stacked_a.py); None: 256 on CUDA
     lora_stacked_max_tokens: int | None = None
+    lora_fused_max_adapters: int | None = None  # one launch per LoRA site for small steps; None: 16 if stacked
 
 
 class ModelRunner:
@@ -129,7 +130,8 @@ class ModelRunner:
                                              stacked_a={name: s.a_rows for name, s in stacked.items()} or None)
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens,
-                                    stacked_max_idle_slots=max_idle_slots(cfg.lora_config.max_lora_rank))
+                                    stacked_max_idle_slots=max_idle_slots(cfg.lora_config.max_lora_rank),
+                                    fused_max_adapters=fused_max_adapters(cfg.lora_fused_max_adapters, stacked_tokens))
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, stacked)
         if cfg.lora_merge_steps > 0:  # before the KV budget is sized: its copy of the base weights is used memory
             linear = [m for m in self.model.modules()

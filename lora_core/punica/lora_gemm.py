@@ -38,7 +38,7 @@ import triton.language as tl
 
 @triton.jit
 def lora_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, a_ptr, b_ptr, rows_ptr, active_ptr, num_active_ptr, slice_off_ptr,
+    x_ptr, w_ptr, y_ptr, a_ptr, b_ptr, slots_ptr, row_act_ptr, active_ptr, num_active_ptr, slice_off_ptr,
     s_ws_ptr, y_ws_ptr, cnt_ptr, tile_cnt_ptr,
     M, N, K,
     sx_m, sw_n, sy_m, sa_l, sa_q, sb_l, sb_n,
@@ -79,8 +79,8 @@ def lora_gemm_kernel(
         if MAXA > 0:
             # Everything the LoRA epilogue needs but phase A's output, loaded before the K loop: each row's
             # slot and active index, the tile's slice, and each row's B tile (rows of one adapter hit L2).
-            row_slot = tl.load(rows_ptr + offs_m, mask=m_mask, other=-1)
-            row_act = tl.load(rows_ptr + M + offs_m, mask=m_mask, other=-1)
+            row_slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
+            row_act = tl.load(row_act_ptr + offs_m, mask=m_mask, other=-1)
             sl = 0
             for i in tl.static_range(1, S):
                 sl += (n0 >= tl.load(slice_off_ptr + i)).to(tl.int32)
@@ -166,10 +166,11 @@ class LoRAGemm:
             offsets.append(offsets[-1] + width)
         self.slice_off = torch.tensor(offsets, dtype=torch.int32, device=device)
 
-    def __call__(self, y, x, w, a, b, rows, active, num_active, max_active: int | None = None) -> None:
+    def __call__(self, y, x, w, a, b, slots, row_active, active, num_active, max_active: int | None = None) -> None:
         """y [M, N] = x [M, K] @ w [N, K]^T + LoRA. a [L, S*R, K] rows per slot (stride sa_q), b [L, N, R];
-        rows [2, M]: each row's slot (-1 none) and its index in active; active [>= num_active] the step's
-        distinct slots, num_active [1], at most max_active (a device value: the caller's to guarantee)."""
+        slots [M] each row's slot (-1 none), row_active [M] its index in active (-1 none); active
+        [>= num_active] the step's distinct slots, num_active [1], at most max_active (a device value: the
+        caller's to guarantee; PunicaMetadata's arrays are these)."""
         maxa = self.max_active if max_active is None else max_active
         m = x.shape[0]
         if maxa > self.max_active or m > self.block_m:
@@ -179,7 +180,7 @@ class LoRAGemm:
             raise ValueError("x, w, y, a and b must be contiguous along their last dimension")
         grid = (maxa * self.a_splits + self.tiles * self.split_w,)
         lora_gemm_kernel[grid](
-            x, w, y, a, b, rows, active, num_active, self.slice_off,
+            x, w, y, a, b, slots, row_active, active, num_active, self.slice_off,
             self.s_ws, self.y_ws, self.cnt, self.tile_cnt,
             m, self.n, self.k,
             x.stride(0), w.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -191,10 +192,28 @@ class LoRAGemm:
 
 
 def row_tables(slots: list[int]) -> tuple[list[int], list[int]]:
-    """(rows [2 * M]: slots then active indices, active slots) for a step's slot per row."""
+    """(row_active: each row's index in active or -1, active: the distinct slots in order) of a step."""
     active = sorted({s for s in slots if s >= 0})
     index = {s: j for j, s in enumerate(active)}
-    return list(slots) + [index.get(s, -1) for s in slots], active
+    return [index.get(s, -1) for s in slots], active
+
+
+def tiling(n: int, k: int, slices: tuple[int, ...], rank: int) -> dict | None:
+    """LoRAGemm settings for a site at decode sizes (<= 32 rows), or None where the kernel does not apply.
+
+    From bench/lora_gemm.py on an H100, 32 rows, 8B sites (RESULTS.md, tenth session): 32-column tiles but
+    64 for gate_up-sized outputs (more programs than SMs either way), 256-deep K steps when there are at
+    most 128 tiles (o, down), else 128 (shallower where K needs it), phase A split 4 ways. Rank 16 only: each row's B tile is gathered into
+    registers (rows x block_n x rank), which the measured settings hold at rank 16.
+    """
+    if rank != 16:
+        return None
+    block_n = 64 if n >= 16384 else 32
+    if n % block_n or any(width % block_n for width in slices):
+        return None
+    depths = (256, 128, 64, 32) if n // block_n <= 128 else (128, 64, 32)
+    block_k = next((d for d in depths if k % d == 0), None)
+    return dict(block_n=block_n, block_k=block_k, a_splits=4) if block_k else None
 
 
 def reference(x, w, a, b, slots, slices, rank) -> torch.Tensor:

@@ -16,6 +16,9 @@ Layout, for T tokens with slots s[0..T) (-1 = no adapter):
     tile_start [max_tiles] first position in sorted_idx covered by the tile
     tile_end   [max_tiles] end of that slot's run in sorted_idx
     num_tiles  [1]         how many tiles are real (the rest have tile_lora -1)
+    row_active [T]        each token's index in `active` (-1 = no adapter)
+    active     [L_slots]  the step's distinct slots in slot order (0 past num_active)
+    num_active [1]        how many (lora_gemm.py's one-launch sites read these three)
 all int32, in that order in one device buffer, each starting 16-byte aligned
 (Triton specializes a kernel on its pointers' alignment: unaligned starts that
 vary with T compiled new variants while serving). Their offsets follow from
@@ -72,9 +75,9 @@ class PunicaMetadata:
         self.num_slots = num_slots
         self.device = device
         # slots, sorted_idx (max_rows each), three tile arrays and num_tiles: the layout in the module doc
-        self._packed = torch.zeros(_offsets(max_rows, max_tiles(max_rows, num_slots, 16))[-1] + 1,
+        self._packed = torch.zeros(_offsets(max_rows, max_tiles(max_rows, num_slots, 16), num_slots)[-1] + 1,
                                    dtype=torch.int32, device=device)
-        self._views: tuple[torch.Tensor, ...] = self._split(_offsets(0, 1), 0, 1)
+        self._views: tuple[torch.Tensor, ...] = self._split(_offsets(0, 1, num_slots), 0, 1)
         self.num_rows = 0
         self.num_adapters = 0  # distinct slots this step; 0 lets layers skip LoRA entirely
         self.slot_bound = num_slots  # the step's highest slot + 1, rounded up as adapter_bound does
@@ -97,13 +100,14 @@ class PunicaMetadata:
         self.num_adapters = num_adapters
         self.slot_bound = self.num_slots if slot_bound is None else slot_bound
         self.block_m, self.use_bgmv, self.max_tiles = self.layout(n, num_adapters)
-        offsets = _offsets(n, self.max_tiles)
+        offsets = _offsets(n, self.max_tiles, self.num_slots)
         self._views = self._split(offsets, n, self.max_tiles)
         if n == 0:
             return
         # Every array is written in full; the alignment gaps between them are read by nothing.
         host = torch.empty(offsets[-1] + 1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        arrays = host_tiles(np.asarray(slots, dtype=np.int32), self.num_slots, self.block_m, self.max_tiles)
+        slots = np.asarray(slots, dtype=np.int32)
+        arrays = (*host_tiles(slots, self.num_slots, self.block_m, self.max_tiles), *host_active(slots, self.num_slots))
         out = host.numpy()
         for offset, array in zip(offsets, arrays):
             out[offset:offset + array.shape[0]] = array
@@ -111,8 +115,8 @@ class PunicaMetadata:
         self._packed[:host.shape[0]].copy_(host, non_blocking=True)
 
     def _split(self, offsets: tuple[int, ...], n: int, tiles: int) -> tuple[torch.Tensor, ...]:
-        """Views of the packed buffer at _offsets(n, tiles): a step of n rows and `tiles` tile slots."""
-        return tuple(self._packed[o:o + size] for o, size in zip(offsets, (n, n, tiles, tiles, tiles, 1)))
+        """Views of the packed buffer at _offsets(n, tiles, slots): a step of n rows and `tiles` tile slots."""
+        return tuple(self._packed[o:o + size] for o, size in zip(offsets, _sizes(n, tiles, self.num_slots)))
 
     def layout(self, num_rows: int, num_adapters: int) -> tuple[int, bool, int]:
         """(block_m, use_bgmv, max_tiles): every host-side launch parameter the kernels take from a step.
@@ -156,12 +160,28 @@ class PunicaMetadata:
         """[1] int32: tiles holding tokens (the first num_tiles of tile_lora are >= 0)."""
         return self._views[5]
 
+    @property
+    def row_active(self) -> torch.Tensor:
+        return self._views[6]
 
-def _offsets(n: int, tiles: int) -> tuple[int, ...]:
-    """Where slots, sorted_idx, tile_lora, tile_start, tile_end and num_tiles start in the packed buffer:
-    consecutive, each at a multiple of four int32s (16 bytes)."""
+    @property
+    def active(self) -> torch.Tensor:
+        return self._views[7]
+
+    @property
+    def num_active(self) -> torch.Tensor:
+        return self._views[8]
+
+
+def _sizes(n: int, tiles: int, slots: int) -> tuple[int, ...]:
+    return n, n, tiles, tiles, tiles, 1, n, slots, 1
+
+
+def _offsets(n: int, tiles: int, slots: int) -> tuple[int, ...]:
+    """Where each array of the module doc starts in the packed buffer: consecutive, each at a multiple of
+    four int32s (16 bytes)."""
     out, at = [], 0
-    for size in (n, n, tiles, tiles, tiles, 1):
+    for size in _sizes(n, tiles, slots):
         out.append(at)
         at += -(-size // 4) * 4
     return tuple(out)
@@ -186,3 +206,15 @@ def host_tiles(slots: np.ndarray, num_slots: int, block_m: int,
     return (slots, np.argsort(slots, kind="stable"), np.where(real, slot, -1),
             np.where(real, ends[slot + 1] - counts[slot + 1] + (ids - first) * block_m, 0),
             np.where(real, ends[slot + 1], 0), np.array([min(int(cum[-1]), num_tiles)]))
+
+
+def host_active(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, ...]:
+    """row_active [T], active [num_slots] and num_active [1] of the module doc for int32 slots [T]."""
+    present = np.zeros(num_slots + 1, dtype=bool)
+    present[slots.astype(np.int64) + 1] = True
+    active = np.flatnonzero(present[1:]).astype(np.int32)
+    index = np.cumsum(present[1:]).astype(np.int32) - 1  # slot -> its index among the active ones
+    row_active = np.where(slots >= 0, index[np.maximum(slots, 0)], -1).astype(np.int32)
+    padded = np.zeros(num_slots, dtype=np.int32)
+    padded[:active.shape[0]] = active
+    return row_active, padded, np.array([active.shape[0]], dtype=np.int32)

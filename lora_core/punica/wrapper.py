@@ -37,11 +37,14 @@ class PunicaWrapper:
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str,
                  max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32,
                  use_pdl: bool | None = None, stacked_max_tokens: int = 0,
-                 stacked_max_idle_slots: int | None = None) -> None:
+                 stacked_max_idle_slots: int | None = None, fused_max_adapters: int = 0,
+                 fused_max_tokens: int = 32) -> None:
         """stacked_max_tokens: steps of up to this many token rows compute the shrink of layers with stacked
         A rows in their base GEMM (stacked_rows, add_expand_stacked); larger ones run the shrink kernel, as
         do steps with more than stacked_max_idle_slots unused slots below their slot bound (None: no limit;
-        stacked_a.max_idle_slots gives it for a rank)."""
+        stacked_a.max_idle_slots gives it for a rank). fused_max_adapters: stacked steps of up to
+        fused_max_tokens rows whose adapter bound is at most this run each site in one launch instead
+        (add_lora_gemm; 0: never)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.device = torch.device(device)
@@ -58,6 +61,9 @@ class PunicaWrapper:
         self.max_loras = max_loras
         self.stacked_max_tokens = stacked_max_tokens
         self.stacked_max_idle_slots = max_loras if stacked_max_idle_slots is None else stacked_max_idle_slots
+        self.fused_max_adapters = fused_max_adapters if backend == "triton" else 0
+        self.fused_max_tokens = fused_max_tokens
+        self._lora_gemms: dict[tuple, object] = {}  # shape -> lora_gemm.LoRAGemm, or None: no tiling
         self.token_meta = PunicaMetadata(max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.is_prefill = False
@@ -103,8 +109,19 @@ class PunicaWrapper:
         return (0 < num_adapters and num_rows <= self.stacked_max_tokens
                 and slot_bound - num_adapters <= self.stacked_max_idle_slots)
 
+    def _fused(self, num_rows: int, num_adapters: int, slot_bound: int) -> int:
+        """Phase-A programs of a step whose sites run in one launch (lora_gemm.py): its adapter bound (a power of
+        four, so few kernel variants and graphs cover every step); 0 when it runs the stacked path."""
+        if num_rows > self.fused_max_tokens or not self._stacks(num_rows, num_adapters, slot_bound):
+            return 0
+        bound = adapter_bound(num_adapters, self.max_loras)
+        return bound if bound <= self.fused_max_adapters else 0
+
     def _stacked_key(self, num_rows: int, num_adapters: int, slot_bound: int) -> tuple:
-        return (slot_bound,) if self._stacks(num_rows, num_adapters, slot_bound) else ()
+        if not self._stacks(num_rows, num_adapters, slot_bound):
+            return ()
+        fused = self._fused(num_rows, num_adapters, slot_bound)
+        return (slot_bound, fused) if fused else (slot_bound,)
 
     def stacked_rows(self) -> int | None:
         """Slots whose stacked A rows this step's GEMMs cover (its slot bound), or None: the step is too
@@ -112,6 +129,36 @@ class PunicaWrapper:
         kernel instead."""
         t = self.token_meta
         return t.slot_bound if self._stacks(t.num_rows, t.num_adapters, t.slot_bound) else None
+
+    def add_lora_gemm(self, x: torch.Tensor, weight: torch.Tensor, a_rows: torch.Tensor, lora_b: torch.Tensor,
+                      output_slices: tuple[int, ...]) -> torch.Tensor | None:
+        """x @ weight^T plus each row's LoRA in one launch (lora_core/punica/lora_gemm.py), or None when this
+        step or this site's shape is not for it (the caller then runs the stacked path).
+
+        weight [N, K] (a stacked weight's base rows), a_rows [L, S, R, K] (its A rows), lora_b [L, N, R].
+        """
+        t = self.token_meta
+        maxa = self._fused(t.num_rows, t.num_adapters, t.slot_bound)
+        if not maxa:
+            return None
+        num_slots, num_slices, rank, k = a_rows.shape
+        n = weight.shape[0]
+        key = (n, k, tuple(output_slices), rank)
+        if key not in self._lora_gemms:
+            from lora_core.punica import lora_gemm  # triton is optional off Linux
+
+            cfg = lora_gemm.tiling(n, k, tuple(output_slices), rank)
+            self._lora_gemms[key] = cfg and lora_gemm.LoRAGemm(
+                n, k, tuple(output_slices), rank, self.fused_max_tokens, self.fused_max_adapters, self.device, **cfg)
+        gemm = self._lora_gemms[key]
+        if gemm is None:
+            return None
+        x = self._rows(x, t)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        y = torch.empty(t.num_rows, n, dtype=x.dtype, device=x.device)
+        gemm(y, x, weight, a_rows.view(num_slots, num_slices * rank, k), lora_b, t.slots, t.row_active, t.active,
+             t.num_active, max_active=maxa)
+        return y
 
     def token_layouts(self, num_rows: int) -> dict[tuple, StepLayout]:
         """Every token_launch_key of a step of num_rows token rows -> a layout giving it (apply_layout)."""

@@ -51,3 +51,23 @@ def test_sgmv_grids_are_bounded_by_the_steps_adapters_not_the_slots():
     ids = [5] * 30 + [6, 7]
     wrapper.update_metadata(LoRAMapping(ids, ids, is_prefill=False), list(range(5, 37)))
     assert int(wrapper.token_meta.num_tiles) == 4 <= wrapper.token_meta.max_tiles == 5
+
+
+def test_small_steps_of_few_adapters_get_one_launch_keys():
+    """fused_max_adapters: a stacked step of <= fused_max_tokens rows whose adapter bound is within it keys its
+    graphs by its phase-A programs (its adapter bound); larger steps keep the stacked key, and the
+    synthetic layouts reproduce both."""
+    def wrapper(fused_max_adapters: int, backend: str = "triton") -> PunicaWrapper:
+        return PunicaWrapper(64, max_loras=8, device="cpu", max_num_prompts=64, backend=backend,
+                             stacked_max_tokens=64, fused_max_adapters=fused_max_adapters, fused_max_tokens=32)
+
+    one, stacked, torch_backend = wrapper(4), wrapper(0), wrapper(4, "torch")
+    for rows, adapters, fused in ((16, 1, 1), (16, 3, 4), (2, 2, 4), (16, 5, 0), (48, 2, 0)):
+        for w in (one, stacked, torch_backend):
+            w.set_decode_layout(rows, adapters)
+        assert one.token_launch_key() == stacked.token_launch_key() + ((fused,) if fused else ())
+        assert torch_backend.token_launch_key() == stacked.token_launch_key()  # never on the torch backend
+    for rows in (1, 16, 32):
+        for key, layout in one.decode_layouts(rows).items():
+            one.apply_layout(rows, layout)
+            assert one.launch_key() == key

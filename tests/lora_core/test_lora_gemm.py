@@ -42,18 +42,20 @@ def _weights(n: int, k: int, slices: tuple[int, ...], dtype: torch.dtype, g: tor
 
 
 def _tables(slots: list[int], max_active: int, active_slots: list[int] | None = None):
-    """rows (int32, row_tables(slots)[0]), active padded with 0 to max_active entries, num_active [1]."""
-    rows, active = row_tables(slots)
+    """rows (slots and row_tables' active index per row, int32), active padded with 0 to max_active entries,
+    num_active [1]."""
+    row_active, active = row_tables(slots)
     active = active if active_slots is None else active_slots
     padded = active + [0] * max(0, max_active - len(active))
+
     def ints(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=DEVICE)
-    return ints(rows), ints(padded), ints([len(active)])
+    return (ints(slots), ints(row_active)), ints(padded), ints([len(active)])
 
 
 def _run(g: LoRAGemm, x, w, a, b, rows, active, num_active, **kw) -> torch.Tensor:
     y = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=DEVICE)
-    g(y, x, w, a, b, rows, active, num_active, **kw)
+    g(y, x, w, a, b, *rows, active, num_active, **kw)
     return y
 
 

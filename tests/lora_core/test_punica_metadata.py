@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from lora_core.punica import PunicaWrapper
-from lora_core.punica.metadata import host_tiles
+from lora_core.punica.metadata import host_active, host_tiles
 from tests.lora_core.punica_cases import POPULARITY, token_slots
 from tests.lora_core.test_punica import NUM_SLOTS, _mapping
 
@@ -72,6 +72,20 @@ def test_metadata_arrays_start_16_byte_aligned_whatever_the_row_count():
     for n in (1, 2, 3, 5, 7, 13, 33):
         w.update_metadata(_mapping([i % 3 for i in range(n)], ids, False), ids)
         m = w.token_meta
-        views = (m.slots, m.sorted_idx, m.tile_lora, m.tile_start, m.tile_end, m.num_tiles)
+        views = (m.slots, m.sorted_idx, m.tile_lora, m.tile_start, m.tile_end, m.num_tiles, m.row_active, m.active,
+                 m.num_active)
         assert all(v.data_ptr() % 16 == 0 for v in views), n
         assert m.slots.tolist() == [i % 3 for i in range(n)] and m.num_tiles.item() == len(set(m.slots.tolist()))
+
+
+def test_active_tables_index_each_rows_adapter():
+    """The one-launch sites' tables: the step's distinct slots in slot order, each row's index among them."""
+    row_active, active, count = [a.tolist() for a in host_active(np.array([3, -1, 1, 3, 0], dtype=np.int32), 6)]
+    assert active == [0, 1, 3, 0, 0, 0] and count == [3] and row_active == [2, -1, 1, 2, 0]
+    row_active, active, count = [a.tolist() for a in host_active(np.array([-1, -1], dtype=np.int32), 3)]
+    assert row_active == [-1, -1] and active == [0, 0, 0] and count == [0]
+    w = PunicaWrapper(64, NUM_SLOTS, "cpu", backend="torch")
+    ids = list(range(1, NUM_SLOTS + 1))
+    w.update_metadata(_mapping([4, 4, -1, 2], ids, False), ids)
+    m = w.token_meta
+    assert m.row_active.tolist() == [1, 1, -1, 0] and m.active.tolist()[:2] == [2, 4] and m.num_active.item() == 2

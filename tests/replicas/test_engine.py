@@ -128,6 +128,19 @@ def test_stacked_rows_default_to_cuda_steps_of_up_to_256_rows():
         stacked_max_tokens(8, fp16, torch.device("cuda"), 1, torch.bfloat16)
 
 
+def test_one_launch_sites_default_to_16_adapters_where_steps_stack():
+    from lora_core.errors import LoRAConfigError
+    from replicas.engine_args import EngineArgs
+    from replicas.lora_layers import fused_max_adapters
+
+    assert fused_max_adapters(None, 256) == 16 and fused_max_adapters(4, 256) == 4 and fused_max_adapters(0, 256) == 0
+    assert fused_max_adapters(None, 0) == 0 and fused_max_adapters(0, 0) == 0
+    with pytest.raises(LoRAConfigError, match="stacked A rows"):
+        fused_max_adapters(4, 0)
+    with pytest.raises(ValueError, match="lora_fused_max_adapters"):
+        EngineArgs(model="m", lora_fused_max_adapters=-1)
+
+
 @pytest.mark.parametrize("fully_sharded,stacked", [(False, 0), (True, 0), (False, 256)],
                          ids=["replicated", "fully_sharded", "replicated-stacked"])
 def test_tensor_parallel_matches_hf_peft(demo, batch, hf_reference, fully_sharded, stacked):

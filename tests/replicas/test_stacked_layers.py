@@ -37,18 +37,20 @@ def _adapter(specs, lora_id: int, rank: int) -> LoRAModel:
     return LoRAModel(lora_id, rank, loras)
 
 
-def _engine_parts(path, stacked_max_tokens: int | None):
-    """A model with LoRA layers; stacked_max_tokens None: plain slots, else stacked A rows."""
+def _engine_parts(path, stacked_max_tokens: int | None, rank: int = RANK, fused_max_adapters: int = 0):
+    """A model with LoRA layers; stacked_max_tokens None: plain slots, else stacked A rows. fused_max_adapters:
+    small steps run each site in one launch (Triton backend; the interpreter on CPU)."""
     model = build_model(path)
     specs = lora_module_specs(model)
-    cfg = LoRAConfig(max_loras=3, max_lora_rank=RANK)
+    cfg = LoRAConfig(max_loras=3, max_lora_rank=rank)
     stacked = stack_lora_weights(model, specs, cfg) if stacked_max_tokens is not None else {}
     manager = LoRAModelManager(specs, cfg, "cpu", torch.float32,
                                stacked_a={n: s.a_rows for n, s in stacked.items()} or None)
-    punica = PunicaWrapper(64, cfg.max_loras, "cpu", backend="torch", stacked_max_tokens=stacked_max_tokens or 0)
+    punica = PunicaWrapper(64, cfg.max_loras, "cpu", backend="triton" if fused_max_adapters else "torch",
+                           stacked_max_tokens=stacked_max_tokens or 0, fused_max_adapters=fused_max_adapters)
     add_lora(model, manager, punica, cfg, stacked)
-    for lora_id, rank in ((1, 4), (2, 8)):
-        manager.add_adapter(_adapter(specs, lora_id, rank))
+    for lora_id, r in ((1, 4), (2, 8), (3, 16))[:3 if rank >= 16 else 2]:
+        manager.add_adapter(_adapter(specs, lora_id, r))
     return model, manager, punica
 
 
@@ -87,3 +89,21 @@ def test_stacked_layers_equal_plain_ones(tiny_checkpoint, checkpoint, stacked_ma
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     base = _logits(*plain, [0] * len(lora_ids))
     assert (want - base).abs().max() > 1e-2  # the adapters change the logits
+
+
+@pytest.mark.parametrize("fused_max_adapters,fused", [(4, True), (1, False)], ids=["one-launch", "over-the-bound"])
+def test_one_launch_sites_equal_plain_ones(tiny_checkpoint, fused_max_adapters, fused):
+    """Steps of few adapters run each LoRA linear of a bias-free model in one launch (lora_gemm.py, rank-16
+    slots holding rank 4, 8 and 16 adapters): the logits equal plain LoRA layers'; a step over the adapter
+    bound runs the stacked path with the same result."""
+    path = tiny_checkpoint("llama3_tied")
+    plain = _engine_parts(path, None, rank=16)
+    one = _engine_parts(path, 64, rank=16, fused_max_adapters=fused_max_adapters)
+    lora_ids = [1, 3, 0, 2, 2, 0, 1, 3, 0, 1, 2, 3, 1]
+    want = _logits(*plain, lora_ids)
+    got = _logits(*one, lora_ids)
+    punica = one[2]
+    assert punica.stacked_rows() is not None
+    assert (len(punica.token_launch_key()) == len(plain[2].token_launch_key()) + 2) == fused  # (bound, phase A)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)  # float32, other summation orders
+    assert (want - _logits(*plain, [0] * len(lora_ids))).abs().max() > 1e-2
