@@ -86,6 +86,24 @@ def test_mixed_batch_matches_hf_peft(demo, batch, hf_reference):
     assert outputs[0].outputs[0].text == llm.engine.tokenizer.decode(outputs[0].outputs[0].token_ids)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="one launch per LoRA site: Triton on a GPU")
+def test_one_launch_sites_match_hf_peft(demo, batch, hf_reference):
+    """Rank-16 slots on a GPU: steps of <= 4 adapters run each LoRA linear in one launch (lora_gemm.py); the
+    requests whose adapters fit (rank <= 16) and the base ones still match transformers + PEFT."""
+    import json
+    from pathlib import Path
+
+    def fits(lora):
+        return lora is None or json.loads((Path(lora.lora_path) / "adapter_config.json").read_text())["r"] <= 16
+    keep = [i for i, lora in enumerate(batch[1]) if fits(lora)]
+    assert len({batch[1][i].lora_name for i in keep if batch[1][i]}) >= 3
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=4, max_lora_rank=16, dtype="float32")
+    outputs = llm.generate([batch[0][i] for i in keep], _greedy(), [batch[1][i] for i in keep])
+    _check_against_hf(outputs, [hf_reference[i] for i in keep])
+    punica = llm.engine.executor.runner.punica
+    assert punica.fused_max_adapters == 4 and any(g is not None for g in punica._lora_gemms.values())
+
+
 def test_fewer_slots_than_adapters_still_exact(demo, batch, hf_reference):
     """max_loras=2 < 4 adapters: requests wait for a slot; results do not change."""
     llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, max_cpu_loras=2,
