@@ -37,6 +37,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # float32 models get true float32 products, as cuBLAS gives them (Triton's default for float32 is TF32).
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def lora_gemm_kernel(
     x_ptr, w_ptr, y_ptr, a_ptr, b_ptr, slots_ptr, row_act_ptr, active_ptr, num_active_ptr, slice_off_ptr,
     s_ws_ptr, y_ws_ptr, cnt_ptr, tile_cnt_ptr,
@@ -45,6 +54,7 @@ def lora_gemm_kernel(
     SR: tl.constexpr, SRP: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
     SPLIT_W: tl.constexpr, MAXA: tl.constexpr, A_SPLITS: tl.constexpr, PREFETCH_B: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     grid = tl.num_programs(0)
     ticket = tl.atomic_add(cnt_ptr, 1)
@@ -66,7 +76,7 @@ def lora_gemm_kernel(
                 xt = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                              other=0.0)
                 at = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & q_mask[None, :], other=0.0)
-                acc_s += tl.dot(xt, at)
+                acc_s += _dot(xt, at, IEEE)
             tl.store(s_ws_ptr + (a_split * MAXA + j) * BM * SRP + offs_m[:, None] * SRP + offs_q[None, :], acc_s)
         tl.debug_barrier()
         tl.atomic_add(cnt_ptr + 1, 1, sem="release")
@@ -98,7 +108,7 @@ def lora_gemm_kernel(
             offs_k = k + tl.arange(0, BK)
             xt = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             wt = tl.load(w_rows + offs_k[None, :])
-            acc += tl.dot(xt, tl.trans(wt))
+            acc += _dot(xt, tl.trans(wt), IEEE)
         last = True
         if SPLIT_W > 1:
             part = y_ws_ptr + tile * (SPLIT_W * BM * BN) + offs_m[:, None] * BN + tl.arange(0, BN)[None, :]
@@ -187,6 +197,7 @@ class LoRAGemm:
             SR=len(self.slices) * self.rank, SRP=self.srp, R=self.rank, S=len(self.slices),
             BM=self.block_m, BN=self.block_n, BK=self.block_k, BKA=self.block_ka,
             SPLIT_W=self.split_w, MAXA=maxa, A_SPLITS=self.a_splits, PREFETCH_B=self.prefetch_b,
+            IEEE=x.dtype == torch.float32,
             num_warps=self.num_warps, num_stages=self.num_stages,
         )
 
