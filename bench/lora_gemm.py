@@ -151,7 +151,8 @@ def in_situ(rows: int, rank: int, layers: int, best: dict, best_lora: dict, pops
         def fused_base():
             for layer in sites:
                 for name, st in layer.items():
-                    base_gemms[name](ys[name], xs[st.k], st.stacked[:st.n], st.a, st.b, slots_t, row_act, active, num_active)
+                    base_gemms[name](ys[name], xs[st.k], st.stacked[:st.n], st.a, st.b, slots_t, row_act, active,
+                                     num_active)
 
         # correctness of one layer's sites against the torch reference
         errs = []

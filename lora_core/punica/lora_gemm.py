@@ -35,14 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    # float32 models get true float32 products, as cuBLAS gives them (Triton's default for float32 is TF32).
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
+from lora_core.punica.triton_kernels import _dot  # float32 products in float32, as cuBLAS computes them
 
 
 @triton.jit
@@ -214,8 +207,8 @@ def tiling(n: int, k: int, slices: tuple[int, ...], rank: int) -> dict | None:
 
     From bench/lora_gemm.py on an H100, 32 rows, 8B sites (RESULTS.md, tenth session): 32-column tiles but
     64 for gate_up-sized outputs (more programs than SMs either way), 256-deep K steps when there are at
-    most 128 tiles (o, down), else 128 (shallower where K needs it), phase A split 4 ways. Rank 16 only: each row's B tile is gathered into
-    registers (rows x block_n x rank), which the measured settings hold at rank 16.
+    most 128 tiles (o, down), else 128 (shallower where K needs it), phase A split 4 ways. Rank 16 only:
+    each row's B tile is gathered into registers (rows x block_n x rank), which these settings hold at 16.
     """
     if rank != 16:
         return None
