@@ -86,10 +86,12 @@ def test_mixed_batch_matches_hf_peft(demo, batch, hf_reference):
     assert outputs[0].outputs[0].text == llm.engine.tokenizer.decode(outputs[0].outputs[0].token_ids)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="one launch per LoRA site: Triton on a GPU")
-def test_one_launch_sites_match_hf_peft(demo, batch, hf_reference):
-    """Rank-16 slots on a GPU: steps of <= 4 adapters run each LoRA linear in one launch (lora_gemm.py); the
-    requests whose adapters fit (rank <= 16) and the base ones still match transformers + PEFT."""
+@pytest.mark.parametrize("tp", [pytest.param(n, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < n, reason=f"one launch per LoRA site: Triton on {n} GPU(s)")) for n in (1, 2)])
+def test_one_launch_sites_match_hf_peft(demo, batch, hf_reference, tp):
+    """Rank-16 slots on GPUs: steps of <= 4 adapters run each LoRA linear in one launch (lora_gemm.py; with
+    TP=2 the row layers' partial shrinks meet B in the all-reduce); the requests whose adapters fit (rank <=
+    16) and the base ones still match transformers + PEFT."""
     import json
     from pathlib import Path
 
@@ -97,10 +99,11 @@ def test_one_launch_sites_match_hf_peft(demo, batch, hf_reference):
         return lora is None or json.loads((Path(lora.lora_path) / "adapter_config.json").read_text())["r"] <= 16
     keep = [i for i, lora in enumerate(batch[1]) if fits(lora)]
     assert len({batch[1][i].lora_name for i in keep if batch[1][i]}) >= 3
-    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=4, max_lora_rank=16, dtype="float32")
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=4, max_lora_rank=16, dtype="float32",
+              tensor_parallel_size=tp)
     outputs = llm.generate([batch[0][i] for i in keep], _greedy(), [batch[1][i] for i in keep])
     _check_against_hf(outputs, [hf_reference[i] for i in keep])
-    punica = llm.engine.executor.runner.punica
+    punica = llm.engine.executor.runner.punica  # rank 0's, in this process
     assert punica.fused_max_adapters == 4 and any(g is not None for g in punica._lora_gemms.values())
 
 
