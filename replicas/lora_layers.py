@@ -67,16 +67,18 @@ def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: t
     return requested
 
 
-def fused_max_adapters(requested: int | None, stacked_tokens: int) -> int:
-    """EngineArgs.lora_fused_max_adapters resolved: None is 4 where stacked steps run, else 0; it needs
-    the stacked weights (the one launch reads their A rows), so asking for it without them raises.
+def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank: int) -> int:
+    """EngineArgs.lora_fused_max_adapters resolved: None is 4 where stacked steps run with rank-16 slots (the
+    one launch's measured settings, lora_gemm.tiling), else 0; asking for it without stacked weights (it
+    reads their A rows) or with other slot ranks raises.
 
     Why 4: on an 8B H200 engine, one launch per site took one adapter's decode extra from 0.72 to 0.44 ms,
     but with a bound of 16 Zipf traffic (~10 adapters per step) ran 0.11 ms slower than the stacked path
     (bench/RESULTS.md, tenth session)."""
-    if not stacked_tokens:
+    if not stacked_tokens or max_lora_rank != 16:
         if requested:
-            raise LoRAConfigError("lora_fused_max_adapters reads the stacked A rows: it needs lora_stacked_max_tokens")
+            raise LoRAConfigError("lora_fused_max_adapters reads the stacked A rows of rank-16 slots: it needs "
+                                  f"lora_stacked_max_tokens and max_lora_rank 16 (got {max_lora_rank})")
         return 0
     return 4 if requested is None else requested
 

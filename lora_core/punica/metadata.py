@@ -74,7 +74,7 @@ class PunicaMetadata:
         self.bgmv_max_rows = bgmv_max_rows
         self.num_slots = num_slots
         self.device = device
-        # slots, sorted_idx (max_rows each), three tile arrays and num_tiles: the layout in the module doc
+        # every array of the module doc, sized for the largest step
         self._packed = torch.zeros(_offsets(max_rows, max_tiles(max_rows, num_slots, 16), num_slots)[-1] + 1,
                                    dtype=torch.int32, device=device)
         self._views: tuple[torch.Tensor, ...] = self._split(_offsets(0, 1, num_slots), 0, 1)

@@ -149,15 +149,17 @@ def test_stacked_rows_default_to_cuda_steps_of_up_to_256_rows():
         stacked_max_tokens(8, fp16, torch.device("cuda"), 1, torch.bfloat16)
 
 
-def test_one_launch_sites_default_to_4_adapters_where_steps_stack():
+def test_one_launch_sites_default_to_4_adapters_where_rank_16_steps_stack():
     from lora_core.errors import LoRAConfigError
     from replicas.engine_args import EngineArgs
     from replicas.lora_layers import fused_max_adapters
 
-    assert fused_max_adapters(None, 256) == 4 and fused_max_adapters(16, 256) == 16 and fused_max_adapters(0, 256) == 0
-    assert fused_max_adapters(None, 0) == 0 and fused_max_adapters(0, 0) == 0
-    with pytest.raises(LoRAConfigError, match="stacked A rows"):
-        fused_max_adapters(4, 0)
+    assert fused_max_adapters(None, 256, 16) == 4 and fused_max_adapters(16, 256, 16) == 16
+    assert fused_max_adapters(0, 256, 16) == 0 and fused_max_adapters(None, 0, 16) == 0
+    assert fused_max_adapters(None, 256, 32) == 0  # measured settings for rank-16 slots only
+    for args in ((4, 0, 16), (4, 256, 64)):
+        with pytest.raises(LoRAConfigError, match="rank-16 slots"):
+            fused_max_adapters(*args)
     with pytest.raises(ValueError, match="lora_fused_max_adapters"):
         EngineArgs(model="m", lora_fused_max_adapters=-1)
 
