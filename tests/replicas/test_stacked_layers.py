@@ -107,5 +107,7 @@ def test_one_launch_sites_equal_plain_ones(tiny_checkpoint, fused_max_adapters, 
     punica = one[2]
     assert punica.stacked_rows() is not None
     assert (len(punica.token_launch_key()) == len(plain[2].token_launch_key()) + 2) == fused  # (bound, phase A)
+    # qkv, o, gate_up and down each got a one-launch kernel (or, past the bound, none was built)
+    assert len([g for g in punica._lora_gemms.values() if g is not None]) == (4 if fused else 0)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)  # float32, other summation orders
     assert (want - _logits(*plain, [0] * len(lora_ids))).abs().max() > 1e-2
