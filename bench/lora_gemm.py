@@ -36,17 +36,18 @@ POPS = {"one": "identical", "zipf": "zipf", "distinct": "distinct"}
 # Best base-only tilings of `--sweep` at M = 32 on an H100 (split_w 1, num_stages 4).
 BASE_W = {"qkv": dict(block_n=32, block_k=128), "o": dict(block_n=32, block_k=256),
           "gate_up": dict(block_n=128, block_k=128), "down": dict(block_n=32, block_k=256)}
+# Tilings the one-adapter LoRA sweep tries besides BASE_W (an earlier sweep's winners with LoRA).
 LORA_W = {"qkv": dict(block_n=64, block_k=128), "o": dict(block_n=32, block_k=128),
           "gate_up": dict(block_n=64, block_k=128), "down": dict(block_n=32, block_k=128)}
 
 
 def configs(n: int, k: int, slices, lora: bool, site: str):
+    """LoRAGemm settings to time for a site: base-only tilings (W programs 96-2048), or LoRA variants."""
     if lora:  # the W tilings of earlier sweeps; phase A's split and the B prefetch varied
         for tiling, a_splits, prefetch in itertools.product((BASE_W[site], LORA_W[site]), (1, 4), (True, False)):
             yield dict(tiling, num_stages=4, a_splits=a_splits, prefetch_b=prefetch)
         return
-    for bn, bk, split, stages in itertools.product((32, 64) if lora else (32, 64, 128), (128, 256), (1, 2, 4, 8),
-                                                   (3, 4) if lora else (4,)):
+    for bn, bk, split, stages in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4,)):
         programs = n // bn * split
         if n % bn or any(s % bn for s in slices) or k % (bk * split) or not 96 <= programs <= 2048:
             continue
