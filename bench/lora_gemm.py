@@ -3,6 +3,7 @@
     python bench/lora_gemm.py --sweep            # base-only tilings per site (M rows), L2 flushed
     python bench/lora_gemm.py --in-situ          # + LoRA configs (one adapter), then 32 layers x 4 sites
                                                  #   in one graph per popularity (one / zipf / distinct)
+    python bench/lora_gemm.py --in-situ --compact-slots  # the adapters in the lowest slots, as in the engine
 
 Columns: cuBLAS base GEMM; "stacked" = cuBLAS GEMM over [W ; A rows below the slot bound] then
 add_expand_stacked (the engine's decode path); "fused" = LoRAGemm. In situ every layer has its own
@@ -107,11 +108,15 @@ class Site:
         self.gemm = LoRAGemm(self.n, k, slices, rank, rows, max_active, "cuda", **cfg)
 
 
-def in_situ(rows: int, rank: int, layers: int, best: dict, best_lora: dict, pops: list[str]) -> None:
+def in_situ(rows: int, rank: int, layers: int, best: dict, best_lora: dict, pops: list[str],
+            compact: bool) -> None:
     g = torch.Generator().manual_seed(7)
     print(f"in situ: {layers} layers x 4 sites, M={rows}, rank {rank}; us per step")
     for pop in pops:
         slots = token_slots(rows, SLOTS, POPS[pop], g)
+        if compact:  # the step's adapters in the lowest slots, as the engine's eviction tends to keep them
+            order = {s: i for i, s in enumerate(sorted(set(slots)))}
+            slots = [order[s] for s in slots]
         rows_l, act = row_tables(slots)
         bound_a = 1
         while bound_a < len(act):
@@ -180,10 +185,12 @@ def main() -> None:
     p.add_argument("--pops", nargs="+", default=list(POPS))
     p.add_argument("--in-situ", action="store_true")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--compact-slots", action="store_true",
+                   help="in situ: the step's adapters in slots 0..n-1 (a low slot bound for the stacked path)")
     a = p.parse_args()
     best = sweep(a.rows, a.sites, False) if a.sweep else BASE_W
     if a.in_situ:
-        in_situ(a.rows, a.rank, a.layers, best, sweep(a.rows, a.sites, True), a.pops)
+        in_situ(a.rows, a.rank, a.layers, best, sweep(a.rows, a.sites, True), a.pops, a.compact_slots)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ by device and by host time.
     python bench/profile_step.py --rank 16 --steps 40
     python bench/profile_step.py --rank 16 --steps 40 --adapters 200   # every request its own adapter
     python bench/profile_step.py --rank 16 --steps 80 --adapters 100 --load-processes 4   # > slots and host cache
+    python bench/profile_step.py --rank 16 --steps 40 --adapters 10 --fused-max-adapters 16   # one launch per site
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main(argv=None) -> None:
     p.add_argument("--adapters", type=int, default=1,
                    help="adapters the requests cycle through (1: one for all; e.g. 200: distinct, with loads)")
     p.add_argument("--load-processes", type=int, default=0, help="EngineArgs.lora_load_processes")
+    p.add_argument("--fused-max-adapters", type=int, default=None,
+                   help="EngineArgs.lora_fused_max_adapters (one launch per LoRA site; default: the engine's)")
     p.add_argument("--trace", default=None, help="also write the profile as a gzipped Chrome trace here")
     a = p.parse_args(argv)
     shape = TINY if a.tiny else LLAMA3_8B
@@ -57,7 +60,8 @@ def main(argv=None) -> None:
                                   max_lora_rank=max(a.rank, 1), num_kv_blocks=a.concurrency * 64 + 8,
                                   max_num_seqs=max(64, a.concurrency), enable_prefix_caching=False,
                                   load_format="dummy", enforce_eager=a.enforce_eager,
-                                  lora_load_processes=a.load_processes))
+                                  lora_load_processes=a.load_processes,
+                                  lora_fused_max_adapters=a.fused_max_adapters))
     reqs = make_requests(8 * a.concurrency, (8, 512), (8, 512), shape["vocab_size"], None, seed=0)
     it = iter(enumerate(reqs))
     kinds: dict[str, list[float]] = {"mixed": [], "decode": []}
