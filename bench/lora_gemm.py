@@ -17,6 +17,7 @@ import itertools
 import os
 import sys
 
+import numpy as np
 import torch
 import triton
 
@@ -24,7 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.kernels import graph_of, time_graph  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper  # noqa: E402
-from lora_core.punica.lora_gemm import LoRAGemm, reference, row_tables  # noqa: E402
+from lora_core.punica.lora_gemm import LoRAGemm, reference  # noqa: E402
+from lora_core.punica.metadata import adapter_bound, host_active  # noqa: E402
 from lora_core.stacked_a import a_rows, stack_weight  # noqa: E402
 from tests.lora_core.punica_cases import token_slots  # noqa: E402
 
@@ -67,11 +69,8 @@ def sweep(rows: int, sites: list[str], lora: bool) -> dict[str, dict]:
         cublas = time_graph(graph_of(lambda: torch.nn.functional.linear(x, w)))
         a = torch.randn(4, len(slices) * 16, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         b = torch.randn(4, n, 16, device="cuda", dtype=torch.bfloat16) / 4
-        row_active, active = row_tables([2] * rows)
         slots = torch.full((rows,), 2, dtype=torch.int32, device="cuda")
-        row_active = torch.tensor(row_active, dtype=torch.int32, device="cuda")
-        active = torch.tensor(active, dtype=torch.int32, device="cuda")
-        num_active = torch.ones(1, dtype=torch.int32, device="cuda")
+        row_active, active, num_active = (torch.from_numpy(t).cuda() for t in host_active(slots.cpu().numpy(), 4))
         want = (reference(x, w, a, b, slots.cpu(), slices, 16) if lora
                 else torch.nn.functional.linear(x, w).float())
         rows_out = []
@@ -117,20 +116,15 @@ def in_situ(rows: int, rank: int, layers: int, best: dict, best_lora: dict, pops
         if compact:  # the step's adapters in the lowest slots, as the engine's eviction tends to keep them
             order = {s: i for i, s in enumerate(sorted(set(slots)))}
             slots = [order[s] for s in slots]
-        rows_l, act = row_tables(slots)
-        bound_a = 1
-        while bound_a < len(act):
-            bound_a *= 4
-        bound_a = min(bound_a, SLOTS)
+        row_act, active, num_active = (torch.from_numpy(t).cuda()
+                                       for t in host_active(np.array(slots, dtype=np.int32), SLOTS))
+        bound_a = adapter_bound(int(num_active), SLOTS)
         sites = [{name: Site(name, rows, rank, best_lora[name], bound_a) for name in SITES} for _ in range(layers)]
         base_gemms = {name: LoRAGemm(sum(sl), k, sl, rank, rows, 0, "cuda", **best[name])
                       for name, (k, sl) in SITES.items()}
         xs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k, _ in SITES.values()}
         ys = {name: torch.empty(rows, sum(sl), device="cuda", dtype=torch.bfloat16) for name, (_, sl) in SITES.items()}
         slots_t = torch.tensor(slots, dtype=torch.int32, device="cuda")
-        row_act = torch.tensor(rows_l, dtype=torch.int32, device="cuda")
-        active = torch.tensor(act + [0] * (SLOTS - len(act)), dtype=torch.int32, device="cuda")
-        num_active = torch.tensor([len(act)], dtype=torch.int32, device="cuda")
         ids = list(range(1, SLOTS + 1))
         punica = PunicaWrapper(max(rows, 16), SLOTS, "cuda", backend="triton", stacked_max_tokens=rows)
         punica.update_metadata(LoRAMapping([ids[s] for s in slots], [ids[slots[0]]], False), ids)
@@ -168,7 +162,7 @@ def in_situ(rows: int, rank: int, layers: int, best: dict, best_lora: dict, pops
             errs.append(((ys[name].float() - want).abs().max() / want.abs().max()).item())
         times = {fn.__name__: time_graph(graph_of(fn)) for fn in (base, fused_base, stacked, fused)}
         b = times["base"]
-        print(f"  {pop:9} adapters {len(act):2} (bound {bound}, maxa {bound_a}): cuBLAS base {b:8.1f}  "
+        print(f"  {pop:9} adapters {int(num_active):2} (bound {bound}, maxa {bound_a}): cuBLAS base {b:8.1f}  "
               f"fused base {times['fused_base']:8.1f} ({times['fused_base'] / b:.3f})  "
               f"stacked {times['stacked']:8.1f} (+{times['stacked'] - b:6.1f})  "
               f"fused {times['fused']:8.1f} (+{times['fused'] - b:6.1f})  relerr {max(errs):.1e}", flush=True)

@@ -24,8 +24,9 @@ step's A and B bytes are read once. A dense form (one tl.dot over every
 active adapter's R columns) was tried: it costs MAXA x R x BN registers and
 lost at 14 adapters and more (RESULTS.md, tenth session).
 
-Status: measured per site and in situ (bench/lora_gemm.py); the engine does
-not call it yet. Requires: rank a power of two >= 16, block_n dividing every
+The engine calls it through PunicaWrapper.add_lora_gemm for small steps of
+few adapters, with tiling()'s settings; bench/lora_gemm.py measures it per site
+and in situ. Requires: rank a power of two >= 16, block_n dividing every
 output slice, block_k dividing K.
 """
 
@@ -139,8 +140,9 @@ def lora_gemm_kernel(
 
 
 class LoRAGemm:
-    """Workspaces and launch of lora_gemm_kernel for one site (its counters are its own: launches of two
-    sites never share them)."""
+    """Workspaces and launch of lora_gemm_kernel for one site shape. Launches in stream order may share one
+    (each leaves its counters at zero for the next: PunicaWrapper shares one across a model's layers);
+    launches that may overlap must not."""
 
     def __init__(self, n: int, k: int, slices: tuple[int, ...], rank: int, max_rows: int, max_active: int,
                  device, block_n: int = 64, block_k: int = 128, split_w: int = 1, block_ka: int = 128,
@@ -193,13 +195,6 @@ class LoRAGemm:
             IEEE=x.dtype == torch.float32,
             num_warps=self.num_warps, num_stages=self.num_stages,
         )
-
-
-def row_tables(slots: list[int]) -> tuple[list[int], list[int]]:
-    """(row_active: each row's index in active or -1, active: the distinct slots in order) of a step."""
-    active = sorted({s for s in slots if s >= 0})
-    index = {s: j for j, s in enumerate(active)}
-    return [index.get(s, -1) for s in slots], active
 
 
 def tiling(n: int, k: int, slices: tuple[int, ...], rank: int) -> dict | None:

@@ -210,11 +210,8 @@ def host_tiles(slots: np.ndarray, num_slots: int, block_m: int,
 
 def host_active(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, ...]:
     """row_active [T], active [num_slots] and num_active [1] of the module doc for int32 slots [T]."""
-    present = np.zeros(num_slots + 1, dtype=bool)
-    present[slots.astype(np.int64) + 1] = True
-    active = np.flatnonzero(present[1:]).astype(np.int32)
-    index = np.cumsum(present[1:]).astype(np.int32) - 1  # slot -> its index among the active ones
-    row_active = np.where(slots >= 0, index[np.maximum(slots, 0)], -1).astype(np.int32)
+    active = np.unique(slots[slots >= 0])
+    row_active = np.where(slots >= 0, np.searchsorted(active, slots), -1).astype(np.int32)
     padded = np.zeros(num_slots, dtype=np.int32)
     padded[:active.shape[0]] = active
     return row_active, padded, np.array([active.shape[0]], dtype=np.int32)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_core.punica.lora_gemm import LoRAGemm, reference, row_tables
+import numpy as np
+
+from lora_core.punica.lora_gemm import LoRAGemm, reference
+from lora_core.punica.metadata import host_active
 from tests.lora_core.punica_cases import token_slots
 
 ON_GPU = torch.cuda.is_available()
@@ -42,9 +45,10 @@ def _weights(n: int, k: int, slices: tuple[int, ...], dtype: torch.dtype, g: tor
 
 
 def _tables(slots: list[int], max_active: int, active_slots: list[int] | None = None):
-    """rows (slots and row_tables' active index per row, int32), active padded with 0 to max_active entries,
+    """rows (slots and host_active's index per row, int32), active padded with 0 to max_active entries,
     num_active [1]."""
-    row_active, active = row_tables(slots)
+    row_active, active, count = host_active(np.array(slots, dtype=np.int32), NUM_SLOTS)
+    row_active, active = row_active.tolist(), active[:count[0]].tolist()
     active = active if active_slots is None else active_slots
     padded = active + [0] * max(0, max_active - len(active))
 
@@ -83,7 +87,7 @@ def test_matches_reference(m, slices, k, block_n, split_w, a_splits, prefetch_b,
     slots = [-1 if i in none else (s + 2) % NUM_SLOTS for i, s in enumerate(slots)]  # slot 0 is not special
     # a step's active table may name an adapter no row uses (the case where every row is -1)
     active_slots = [5] if all(s < 0 for s in slots) else None
-    max_active = len(active_slots or row_tables(slots)[1]) + pad
+    max_active = len(active_slots or {s for s in slots if s >= 0}) + pad
     rows, active, num_active = _tables(slots, max_active, active_slots)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     g = LoRAGemm(n, k, slices, RANK, m, max_active, DEVICE, block_n=block_n, block_k=32, split_w=split_w,
