@@ -4,6 +4,7 @@
     python bench/lora_gemm.py --in-situ          # + LoRA configs (one adapter), then 32 layers x 4 sites
                                                  #   in one graph per popularity (one / zipf / distinct)
     python bench/lora_gemm.py --in-situ --compact-slots  # the adapters in the lowest slots, as in the engine
+    python bench/lora_gemm.py --in-situ --engine-tiling --a-splits 8   # the engine's settings, phase A split 8 ways
 
 Columns: cuBLAS base GEMM; "stacked" = cuBLAS GEMM over [W ; A rows below the slot bound] then
 add_expand_stacked (the engine's decode path); "fused" = LoRAGemm. In situ every layer has its own
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.kernels import graph_of, time_graph  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper  # noqa: E402
-from lora_core.punica.lora_gemm import LoRAGemm, reference  # noqa: E402
+from lora_core.punica.lora_gemm import LoRAGemm, reference, tiling  # noqa: E402
 from lora_core.punica.metadata import adapter_bound, host_active  # noqa: E402
 from lora_core.stacked_a import a_rows, stack_weight  # noqa: E402
 from tests.lora_core.punica_cases import token_slots  # noqa: E402
@@ -46,9 +47,16 @@ LORA_W = {"qkv": dict(block_n=64, block_k=128), "o": dict(block_n=32, block_k=12
 
 def configs(n: int, k: int, slices, lora: bool, site: str):
     """LoRAGemm settings to time for a site: base-only tilings (W programs 96-2048), or LoRA variants."""
-    if lora:  # the W tilings of earlier sweeps; phase A's split and the B prefetch varied
-        for tiling, a_splits, prefetch in itertools.product((BASE_W[site], LORA_W[site]), (1, 4), (True, False)):
-            yield dict(tiling, num_stages=4, a_splits=a_splits, prefetch_b=prefetch)
+    if lora:  # the W tilings of earlier sweeps with phase A's split and the B prefetch varied, then W's grid
+        seen = []
+        for w_tiles, a_splits, prefetch in itertools.product((BASE_W[site], LORA_W[site]), (1, 4), (True, False)):
+            seen.append(dict(w_tiles, num_stages=4, a_splits=a_splits, prefetch_b=prefetch))
+            yield seen[-1]
+        for bn, bk, split in itertools.product((32, 64), (128, 256), (1, 2, 4)):
+            cfg = dict(block_n=bn, block_k=bk, split_w=split, num_stages=4, a_splits=4, prefetch_b=True)
+            if n % bn or any(s % bn for s in slices) or k % (bk * split) or cfg in seen:
+                continue
+            yield cfg
         return
     for bn, bk, split, stages in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4,)):
         programs = n // bn * split
@@ -181,10 +189,20 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--compact-slots", action="store_true",
                    help="in situ: the step's adapters in slots 0..n-1 (a low slot bound for the stacked path)")
+    p.add_argument("--engine-tiling", action="store_true",
+                   help="in situ: the engine's settings (lora_gemm.tiling) instead of a one-adapter sweep's best")
+    p.add_argument("--a-splits", type=int, help="in situ: phase A's K splits instead of the settings' own")
     a = p.parse_args()
     best = sweep(a.rows, a.sites, False) if a.sweep else BASE_W
     if a.in_situ:
-        in_situ(a.rows, a.rank, a.layers, best, sweep(a.rows, a.sites, True), a.pops, a.compact_slots)
+        if a.engine_tiling:
+            best_lora = {name: tiling(sum(sl), k, sl, a.rank) for name, (k, sl) in SITES.items()}
+        else:
+            best_lora = sweep(a.rows, a.sites, True)
+        if a.a_splits:
+            best_lora = {name: dict(cfg, a_splits=a.a_splits) for name, cfg in best_lora.items()}
+        print(f"in situ LoRA settings: {best_lora}")
+        in_situ(a.rows, a.rank, a.layers, best, best_lora, a.pops, a.compact_slots)
 
 
 if __name__ == "__main__":

@@ -131,8 +131,9 @@ class ModelRunner:
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens,
                                     stacked_max_idle_slots=max_idle_slots(cfg.lora_config.max_lora_rank),
-                                    fused_max_adapters=fused_max_adapters(cfg.lora_fused_max_adapters, stacked_tokens,
-                                                                          cfg.lora_config.max_lora_rank))
+                                    fused_max_adapters=fused_max_adapters(
+                                        cfg.lora_fused_max_adapters, stacked_tokens, cfg.lora_config.max_lora_rank,
+                                        torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""))
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, stacked)
         if cfg.lora_merge_steps > 0:  # before the KV budget is sized: its copy of the base weights is used memory
             linear = [m for m in self.model.modules()
