@@ -14,6 +14,7 @@ Prints a table with ratios and writes CSV to $OUT (or bench/out).
 
     python bench/kernels.py [--quick]
     python bench/kernels.py --deal 0,0,0 --deal 256,512,256   # SGMV dealing settings side by side
+    python bench/kernels.py --bgmv-tile 0 8192 16384 --tokens 1 16   # BGMV shrink tiles side by side
 """
 
 from __future__ import annotations
@@ -145,15 +146,39 @@ def sweep_dealing(args, dtype, bw: float, floor_us: float) -> None:
                           + "".join(f"{v / times[0]:>9.2f}" for v in times[1:]), flush=True)
 
 
+def sweep_bgmv_tile(args, dtype, bw: float, floor_us: float) -> None:
+    """Our default path per case under each --bgmv-tile value of triton_ops.BGMV_SHRINK_TILE (0: the
+    shrink's K steps as before it), side by side, with ratios to the first and to the graph floor."""
+    from lora_core.punica import triton_ops
+
+    tiles = args.bgmv_tile
+    print(f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}" + "".join(f"{v:>10}" for v in tiles)
+          + "".join(f"{'x first':>9}" for _ in tiles[1:]) + f"{'best x floor':>14}")
+    for shape in SHAPES:
+        for rank in args.ranks:
+            for t in args.tokens:
+                for pop in args.pops:
+                    times = []
+                    for tile in tiles:
+                        triton_ops.BGMV_SHRINK_TILE = tile
+                        times.append(run_case(shape, rank, t, pop, dtype, bw, floor_us, time_torch=False)["ours_us"])
+                    print(f"{shape:8}{rank:>4}{t:>6} {pop:10}" + "".join(f"{v:>10.2f}" for v in times)
+                          + "".join(f"{v / times[0]:>9.2f}" for v in times[1:]) + f"{min(times) / floor_us:>14.2f}",
+                          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--deal", action="append", default=[], metavar="SHRINK,EXPAND,SPLIT_ROWS",
                         help="sweep the SGMV dealing settings of triton_ops instead (repeat; 0,0,0 = off)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 256], help="with --deal")
-    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="with --deal")
-    parser.add_argument("--pops", nargs="+", default=list(POPULARITY), help="with --deal")
+    parser.add_argument("--bgmv-tile", type=int, nargs="+", default=[],
+                        help="BGMV shrink tile limits side by side (triton_ops.BGMV_SHRINK_TILE; 0: one K step "
+                             "of the rank's default width)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 256], help="with --deal, --bgmv-tile")
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="with --deal, --bgmv-tile")
+    parser.add_argument("--pops", nargs="+", default=list(POPULARITY), help="with --deal, --bgmv-tile")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -162,6 +187,10 @@ def main() -> None:
     floor_us = time_graph(graph_of(lambda: _noop[(1,)](flag)))
     if args.deal:
         sweep_dealing(args, dtype, bw, floor_us)
+        return
+    if args.bgmv_tile:
+        print(f"one-kernel graph floor {floor_us:.2f} us")
+        sweep_bgmv_tile(args, dtype, bw, floor_us)
         return
     floor2_us = time_graph(graph_of(lambda: (_noop[(1,)](flag), _noop[(1,)](flag))))
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "

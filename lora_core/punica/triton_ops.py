@@ -24,6 +24,10 @@ _TARGET_PROGRAMS = 1024
 DEAL_SHRINK_PROGRAMS = 256
 DEAL_EXPAND_PROGRAMS = 512
 SPLIT_ROWS = 256
+# Largest A tile (rank x K elements) of a BGMV shrink step (shrink_config): H200, T = 1, down_proj's shrink in
+# one step instead of two (r16) or four (r64): 10.2 -> 8.2 us and 12.8 -> 9.7 us with its expand; 8192 gave
+# r64 11.97 (bench/kernels.py --bgmv-tile, RESULTS.md eleventh session).
+BGMV_SHRINK_TILE = 16384
 
 
 def _deal_target(programs: int, meta: PunicaMetadata) -> int:
@@ -99,6 +103,10 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int)
         k_blocks = _pow2_floor(max(1, hidden // block_k))
         wanted = -(-_TARGET_PROGRAMS // (meta.num_rows * num_slices))
         split_k = min(k_blocks, 1 << (wanted - 1).bit_length(), 64)
+        # Each program's K chunk in one step where a tile of BGMV_SHRINK_TILE elements holds it: a second
+        # step's A loads wait behind the first (down_proj: 14,336 / 32 splits took two 256-wide steps).
+        chunk = 1 << (-(-hidden // split_k) - 1).bit_length()
+        block_k = max(block_k, min(chunk, BGMV_SHRINK_TILE // _block_r(rank)))
         return block_k, split_k, split_k
     block_k = 128 if _block_r(rank) >= 64 else 256
     k_blocks = max(1, -(-hidden // block_k))

@@ -102,7 +102,7 @@ def test_bias_and_overwrite(dtype):
     results = []
     for w in _wrappers(_mapping(slots, ids, False), ids):
         buf = torch.zeros(2, 20, 16, device=DEVICE)
-        w.add_shrink(buf, x := torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype),
+        w.add_shrink(buf, torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype),
                      a, 1.0, ranks)
         y = torch.full((20, sum(slices)), 3.0, dtype=dtype, device=DEVICE)
         w.add_expand(y, buf, b, slices, add_inputs=False, ranks=ranks, lora_bias_stacked=bias)
@@ -259,6 +259,44 @@ def test_programs_are_dealt_over_the_real_tiles(num_tokens, used, popularity):
     want, got = y0.float().clone(), y0.clone()
     ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 0.5, slices, ranks)
     tri.add_lora_linear(got, x, a, b, None, 0.5, slices, ranks)
+    _assert_close(got, want, dtype)
+
+
+def test_bgmv_shrink_takes_its_k_chunk_in_one_step_where_a_tile_holds_it(monkeypatch):
+    """Host-side launch plan: a decode shrink's program reads its K chunk in one A tile up to
+    BGMV_SHRINK_TILE elements (down_proj's 14,336 inputs at rank 16 and 64), else in steps of the widest
+    tile the limit allows."""
+    from lora_core.punica import triton_ops
+    from lora_core.punica.metadata import PunicaMetadata
+
+    meta = PunicaMetadata(64, 64, torch.device("cpu"))
+    meta.update([3], 1)
+    assert meta.use_bgmv
+    for hidden, rank in ((14336, 16), (14336, 64), (4096, 16), (4096, 64), (896, 16)):
+        block_k, split_k, _ = triton_ops.shrink_config(meta, hidden, 1, rank)
+        assert block_k * split_k >= hidden and block_k * rank <= triton_ops.BGMV_SHRINK_TILE, (hidden, rank)
+    monkeypatch.setattr(triton_ops, "BGMV_SHRINK_TILE", 4096)
+    block_k, split_k, _ = triton_ops.shrink_config(meta, 14336, 1, 64)
+    assert (block_k, split_k) == (64, 64)  # 224 inputs per program: four steps of 64
+
+
+@pytest.mark.parametrize("rank", [16, 64])
+def test_decode_lora_over_down_proj_inputs(rank):
+    """One decode row over down_proj's 14,336 inputs (the widest one-step shrink tiles) equals the reference."""
+    dtype = DTYPES[-1]
+    g = torch.Generator().manual_seed(rank)
+    hidden, slices = 14336, (32,)
+    a, b, ranks = stacked_weights(4, rank, hidden, slices, [rank], dtype, DEVICE, g)
+    ids = [1, 2, 3, 4]
+    mapping = _mapping([2], ids, False)
+    x = torch.randn(1, hidden, generator=g).to(DEVICE, dtype)
+    y0 = torch.randn(1, sum(slices), generator=g).to(DEVICE, dtype)
+    want, got = y0.float().clone(), y0.clone()
+    for w, out, args in ((PunicaWrapper(16, 4, DEVICE, backend="torch"), want, (x.float(), a.float(), b.float())),
+                         (PunicaWrapper(16, 4, DEVICE, backend="triton"), got, (x, a, b))):
+        w.update_metadata(mapping, ids)
+        assert w.backend == "torch" or w.token_meta.use_bgmv
+        w.add_lora_linear(out, *args, None, 0.5, slices, ranks)
     _assert_close(got, want, dtype)
 
 
