@@ -26,7 +26,8 @@ bound = weights + KV read per decode step, extra = its decode step; LoRA rows'
 bound = #ad x bytes per adapter, extra = decode step minus base's; both over
 the device-to-device copy bandwidth measured in this run (read + write
 bytes). x bnd = extra / bound. Prints rows as they finish, a table last, then
-where each row's wall time went (lines starting "time");
+where each row's wall time went (lines starting "time") and which Triton kernel
+variants compiled while a row ran (after its engine's warm-up: bench/triton_compiles.py);
 CSV to $OUT (or bench/out), rewritten after every row.
 
     python bench/engine.py                                     # everything (> 10 min on one GPU)
@@ -55,6 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, TINY, AdapterPools, Recorder, Request,  # noqa: E402
                                    adapter_bytes, assign_adapters, copy_bandwidth, drive, kv_bytes_per_token,
                                    make_requests, summarize, weight_bytes, write_model_dir)
+from bench.triton_compiles import CompileLog  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 
 POPULARITIES = (("one", "one", 1), ("distinct", "distinct", 0), ("uniform100", "uniform", 100),
@@ -158,8 +160,10 @@ def engine_rows(a, names: list[str], table: dict, model_dir: Path, pools: Adapte
             pop, size, _, _ = table[name]
             size = size or len(reqs)
             loras = pools.pool(name.rsplit("-", 1)[0], rank, size) if rank else []
-            run = drive(engine, rec, assign_adapters(reqs, pop, size), loras, a.concurrency, a.rate, name)
-            emit(summarize(name, rank, size if rank else 0, run, a.concurrency))
+            with CompileLog() as compiled:  # kernel variants the engine's warm-up left to serving
+                run = drive(engine, rec, assign_adapters(reqs, pop, size), loras, a.concurrency, a.rate, name)
+            emit(dict(summarize(name, rank, size if rank else 0, run, a.concurrency),
+                      compiles=len(compiled.variants), compiled="; ".join(compiled.variants)))
         engine.shutdown()
         del engine, rec
         gc.collect()
@@ -321,7 +325,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "decode_s" in row:
             print(f"time {row['scenario']:18} wall {row['wall_s']:6.2f}  decode {row['decode_s']:6.2f} "
                   f"({row['decode_steps_all']:5d}, {row['decode_rows']:5.1f} rows)  prompt {row['prompt_s']:6.2f} "
-                  f"({row['prompt_steps']:4d})  outside {row['outside_s']:6.2f}")
+                  f"({row['prompt_steps']:4d})  outside {row['outside_s']:6.2f}  Triton compiles {row['compiles']}")
+    for row in rows:
+        if row.get("compiled"):
+            print(f"compiled while {row['scenario']} ran: {row['compiled']}")
     print(f"CSV: {csv_path}")
     return rows
 

@@ -85,3 +85,35 @@ def test_csv_holds_every_row(tiny_run):
     assert int(rows["one-r16"]["loads"]) == 1  # registered once, reused by every request
     assert int(rows["distinct-r16"]["loads"]) == int(rows["distinct-r16"]["requests"])
     assert math.isfinite(float(rows["ours-distinct"]["x_hf"]))
+
+
+def test_compile_log_names_variants_and_keeps_the_previous_hook(monkeypatch):
+    """bench/triton_compiles.CompileLog against a stand-in for triton.knobs.runtime (under the CPU
+    interpreter nothing compiles, so the hook is driven directly): a variant is its kernel name plus its
+    scalar constexprs by argument name; the hook that was installed before keeps being called and is back
+    after the block."""
+    from types import SimpleNamespace
+
+    from bench import triton_compiles
+
+    calls = []
+
+    def previous(**kwargs):
+        calls.append(kwargs["fn"].name)
+
+    runtime = SimpleNamespace(jit_post_compile_hook=previous)
+    monkeypatch.setattr(triton_compiles, "_knobs", lambda: runtime)
+    fn = SimpleNamespace(name="_paged_attention_kernel", jit_function=SimpleNamespace(arg_names=["q_ptr", "BLOCK_Q"]))
+    with triton_compiles.CompileLog() as log:
+        assert runtime.jit_post_compile_hook == log.hook
+        runtime.jit_post_compile_hook(key="k", repr="r", fn=fn, compile={"constants": {(1,): 64, (0,): None}},
+                                      is_manual_warmup=False, already_compiled=False)
+    assert log.variants == ["_paged_attention_kernel BLOCK_Q=64"] and calls == ["_paged_attention_kernel"]
+    assert runtime.jit_post_compile_hook is previous
+
+
+def test_rows_count_the_kernels_compiled_while_serving(tiny_run):
+    with open(tiny_run[1] / "engine_tiny.csv", newline="") as f:
+        rows = {r["scenario"]: r for r in csv.DictReader(f)}
+    for name in ENGINE_ROWS:  # no compiler under the interpreter: nothing compiles, and the column says so
+        assert rows[name]["compiles"] == "0" and rows[name]["compiled"] == "", (name, rows[name])
