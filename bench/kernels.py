@@ -126,45 +126,40 @@ def print_row(r: dict) -> None:
           f"{r['vs_torch']:>8.1f}{r['vs_floor']:>8.2f}{r['rel_err']:>9.1e}", flush=True)
 
 
-def sweep_dealing(args, dtype, bw: float, floor_us: float) -> None:
-    """Our default path per case under each --deal setting of triton_ops (SHRINK,EXPAND,SPLIT_ROWS
-    programs; 0,0,0 deals nothing: the host plan alone), side by side, with ratios to the first."""
-    from lora_core.punica import triton_ops
-
-    deals = [tuple(int(v) for v in d.split(",")) for d in args.deal]
-    print(f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}" + "".join(f"{'/'.join(map(str, d)):>16}" for d in deals)
-          + "".join(f"{'x first':>9}" for _ in deals[1:]))
+def sweep_settings(args, dtype, bw: float, floor_us: float, settings: list, label, apply) -> None:
+    """Our default path per case under each of `settings` (apply(setting) puts it in place), side by side,
+    with ratios to the first and the best over the graph floor."""
+    print(f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}" + "".join(f"{label(v):>16}" for v in settings)
+          + "".join(f"{'x first':>9}" for _ in settings[1:]) + f"{'best x floor':>14}")
     for shape in SHAPES:
         for rank in args.ranks:
             for t in args.tokens:
                 for pop in args.pops:
                     times = []
-                    for d in deals:
-                        triton_ops.DEAL_SHRINK_PROGRAMS, triton_ops.DEAL_EXPAND_PROGRAMS, triton_ops.SPLIT_ROWS = d
+                    for setting in settings:
+                        apply(setting)
                         times.append(run_case(shape, rank, t, pop, dtype, bw, floor_us, time_torch=False)["ours_us"])
                     print(f"{shape:8}{rank:>4}{t:>6} {pop:10}" + "".join(f"{v:>16.2f}" for v in times)
-                          + "".join(f"{v / times[0]:>9.2f}" for v in times[1:]), flush=True)
+                          + "".join(f"{v / times[0]:>9.2f}" for v in times[1:]) + f"{min(times) / floor_us:>14.2f}",
+                          flush=True)
+
+
+def sweep_dealing(args, dtype, bw: float, floor_us: float) -> None:
+    """--deal: triton_ops' SHRINK,EXPAND,SPLIT_ROWS programs (0,0,0 deals nothing: the host plan alone)."""
+    from lora_core.punica import triton_ops
+
+    def apply(deal):
+        triton_ops.DEAL_SHRINK_PROGRAMS, triton_ops.DEAL_EXPAND_PROGRAMS, triton_ops.SPLIT_ROWS = deal
+    deals = [tuple(int(v) for v in d.split(",")) for d in args.deal]
+    sweep_settings(args, dtype, bw, floor_us, deals, lambda d: "/".join(map(str, d)), apply)
 
 
 def sweep_bgmv_tile(args, dtype, bw: float, floor_us: float) -> None:
-    """Our default path per case under each --bgmv-tile value of triton_ops.BGMV_SHRINK_TILE (0: the
-    shrink's K steps as before it), side by side, with ratios to the first and to the graph floor."""
+    """--bgmv-tile: triton_ops.BGMV_SHRINK_TILE (0: the shrink's K steps as before it)."""
     from lora_core.punica import triton_ops
 
-    tiles = args.bgmv_tile
-    print(f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}" + "".join(f"{v:>10}" for v in tiles)
-          + "".join(f"{'x first':>9}" for _ in tiles[1:]) + f"{'best x floor':>14}")
-    for shape in SHAPES:
-        for rank in args.ranks:
-            for t in args.tokens:
-                for pop in args.pops:
-                    times = []
-                    for tile in tiles:
-                        triton_ops.BGMV_SHRINK_TILE = tile
-                        times.append(run_case(shape, rank, t, pop, dtype, bw, floor_us, time_torch=False)["ours_us"])
-                    print(f"{shape:8}{rank:>4}{t:>6} {pop:10}" + "".join(f"{v:>10.2f}" for v in times)
-                          + "".join(f"{v / times[0]:>9.2f}" for v in times[1:]) + f"{min(times) / floor_us:>14.2f}",
-                          flush=True)
+    sweep_settings(args, dtype, bw, floor_us, args.bgmv_tile, str,
+                   lambda tile: setattr(triton_ops, "BGMV_SHRINK_TILE", tile))
 
 
 def main() -> None:
