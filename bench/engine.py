@@ -27,7 +27,9 @@ bound = #ad x bytes per adapter, extra = decode step minus base's; both over
 the device-to-device copy bandwidth measured in this run (read + write
 bytes). x bnd = extra / bound. Prints rows as they finish, a table last, then
 where each row's wall time went (lines starting "time") and which Triton kernel
-variants compiled while a row ran (after its engine's warm-up: bench/triton_compiles.py);
+variants compiled while a row ran (bench/triton_compiles.py; those that the
+engine's warm-up leaves to serving mostly compile in the bench's warm requests
+before the rows, which span the rows' prompt lengths, and are named there);
 CSV to $OUT (or bench/out), rewritten after every row.
 
     python bench/engine.py                                     # everything (> 10 min on one GPU)
@@ -149,13 +151,17 @@ def engine_rows(a, names: list[str], table: dict, model_dir: Path, pools: Adapte
         engine = make_engine(model_dir, a, rank, a.max_loras, a.max_num_seqs, a.input_len[1] + a.output_len[1],
                              max_cpu_loras=a.max_cpu_loras, overrides=a.variants.get(variant))
         rec = Recorder(engine)
-        warm = make_requests(a.concurrency, (a.input_len[0], min(64, a.input_len[1])),
-                             (a.output_len[0], min(16, a.output_len[1])), pools.shape["vocab_size"], None, seed=9)
+        # Warm requests over the rows' whole prompt-length range, so that kernel variants the engine's own
+        # warm-up leaves to serving compile here rather than in the first measured row (the log names them).
+        warm = make_requests(a.concurrency, tuple(a.input_len), (a.output_len[0], min(16, a.output_len[1])),
+                             pools.shape["vocab_size"], None, seed=9)
         warm_pool = pools.pool("warm", rank, a.concurrency) if rank else []
-        for pop in (("distinct", "one") if rank else ("none",)):
-            drive(engine, rec, assign_adapters(warm, pop, 1), warm_pool, a.concurrency, None, f"warm-{pop}")
+        with CompileLog() as compiled:
+            for pop in (("distinct", "one") if rank else ("none",)):
+                drive(engine, rec, assign_adapters(warm, pop, 1), warm_pool, a.concurrency, None, f"warm-{pop}")
         print(f"# engine rank {rank}{f' {variant} {a.variants[variant]}' if variant else ''}: built and warmed up in "
-              f"{time.perf_counter() - t_build:.1f} s", flush=True)
+              f"{time.perf_counter() - t_build:.1f} s; Triton variants its warm-up left to the warm requests: "
+              f"{len(compiled.variants)}" + "".join(f"\n#   {v}" for v in compiled.variants), flush=True)
         for name in (n for n in names if table[n][2:] == (rank, variant)):
             pop, size, _, _ = table[name]
             size = size or len(reqs)
