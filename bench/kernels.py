@@ -15,6 +15,7 @@ Prints a table with ratios and writes CSV to $OUT (or bench/out).
     python bench/kernels.py [--quick]
     python bench/kernels.py --deal 0,0,0 --deal 256,512,256   # SGMV dealing settings side by side
     python bench/kernels.py --bgmv-tile 0 8192 16384 --tokens 1 16   # BGMV shrink tiles side by side
+    python bench/kernels.py --bgmv-splits 64 32 16 --tokens 1 16     # BGMV shrink split limits side by side
 """
 
 from __future__ import annotations
@@ -162,6 +163,15 @@ def sweep_bgmv_tile(args, dtype, bw: float, floor_us: float) -> None:
                    lambda tile: setattr(triton_ops, "BGMV_SHRINK_TILE", tile))
 
 
+def sweep_bgmv_splits(args, dtype, bw: float, floor_us: float) -> None:
+    """--bgmv-splits: triton_ops.BGMV_MAX_SPLITS (fewer splits: longer shrink programs, fewer partials for
+    the expand to read back)."""
+    from lora_core.punica import triton_ops
+
+    sweep_settings(args, dtype, bw, floor_us, args.bgmv_splits, str,
+                   lambda splits: setattr(triton_ops, "BGMV_MAX_SPLITS", splits))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few cases only")
@@ -171,6 +181,8 @@ def main() -> None:
     parser.add_argument("--bgmv-tile", type=int, nargs="+", default=[],
                         help="BGMV shrink tile limits side by side (triton_ops.BGMV_SHRINK_TILE; 0: one K step "
                              "of the rank's default width)")
+    parser.add_argument("--bgmv-splits", type=int, nargs="+", default=[],
+                        help="BGMV shrink split limits side by side (triton_ops.BGMV_MAX_SPLITS)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 256], help="with --deal, --bgmv-tile")
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="with --deal, --bgmv-tile")
     parser.add_argument("--pops", nargs="+", default=list(POPULARITY), help="with --deal, --bgmv-tile")
@@ -183,9 +195,9 @@ def main() -> None:
     if args.deal:
         sweep_dealing(args, dtype, bw, floor_us)
         return
-    if args.bgmv_tile:
+    if args.bgmv_tile or args.bgmv_splits:
         print(f"one-kernel graph floor {floor_us:.2f} us")
-        sweep_bgmv_tile(args, dtype, bw, floor_us)
+        (sweep_bgmv_tile if args.bgmv_tile else sweep_bgmv_splits)(args, dtype, bw, floor_us)
         return
     floor2_us = time_graph(graph_of(lambda: (_noop[(1,)](flag), _noop[(1,)](flag))))
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "

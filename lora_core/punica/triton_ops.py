@@ -28,6 +28,9 @@ SPLIT_ROWS = 256
 # one step instead of two (r16) or four (r64): 10.2 -> 8.2 us and 12.8 -> 9.7 us with its expand; 8192 gave
 # r64 11.97 (bench/kernels.py --bgmv-tile, RESULTS.md eleventh session).
 BGMV_SHRINK_TILE = 16384
+# Most K splits of a BGMV shrink per row: each split is a [rank] float32 partial that every expand program of the
+# row reads back (rank 64 at 64 splits: 16 KB per program; `bench/kernels.py --bgmv-splits` sweeps it).
+BGMV_MAX_SPLITS = 64
 
 
 def _deal_target(programs: int, meta: PunicaMetadata) -> int:
@@ -102,7 +105,7 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int)
         block_k = max(16, 4096 // _block_r(rank))
         k_blocks = _pow2_floor(max(1, hidden // block_k))
         wanted = -(-_TARGET_PROGRAMS // (meta.num_rows * num_slices))
-        split_k = min(k_blocks, 1 << (wanted - 1).bit_length(), 64)
+        split_k = min(k_blocks, 1 << (wanted - 1).bit_length(), BGMV_MAX_SPLITS)
         # Each program's K chunk in one step where a tile of BGMV_SHRINK_TILE elements holds it: a second
         # step's A loads wait behind the first (down_proj: 14,336 / 32 splits took two 256-wide steps).
         chunk = 1 << (-(-hidden // split_k) - 1).bit_length()
