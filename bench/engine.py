@@ -219,7 +219,7 @@ def hf_rows(a, work: Path, dtype: torch.dtype, emit) -> None:
     generate(2, names)
     hf_base = generate(a.hf_new, ["__base__"] * n)
     hf = generate(a.hf_new, names)
-    del model, base
+    model = base = None  # free HF's model before our rows' numbers are emitted
     gc.collect()
     tok_s = sum(ours["ntok"].values()) / ours["wall"]
     emit(dict(scenario="hf-peft-base", rank=0, registered=0, tok_s=hf_base))
