@@ -50,7 +50,7 @@ def configs(n: int, k: int, slices, lora: bool, site: str):
     if lora:  # the W tilings of earlier sweeps with phase A's split and the B prefetch varied, then W's grid
         seen = []
         for w_tiles, a_splits, prefetch in itertools.product((BASE_W[site], LORA_W[site]), (1, 4), (True, False)):
-            seen.append(dict(w_tiles, num_stages=4, a_splits=a_splits, prefetch_b=prefetch))
+            seen.append(dict(w_tiles, split_w=1, num_stages=4, a_splits=a_splits, prefetch_b=prefetch))
             yield seen[-1]
         for bn, bk, split in itertools.product((32, 64), (128, 256), (1, 2, 4)):
             cfg = dict(block_n=bn, block_k=bk, split_w=split, num_stages=4, a_splits=4, prefetch_b=True)
