@@ -20,7 +20,9 @@ Adapters (ranks 16 and 64, all seven projections) are registered lazily, by the
 first request that names them, so their disk loads are part of the measurement.
 Columns: tok/s = generated tokens / wall; TTFT = add (or Poisson arrival) to
 the first token; TPOT = (finish - first token) / (tokens - 1); x base = tok/s
-over base's; dec ms = median pure-decode step at batch C; #ad = distinct
+over base's; dec ms = median pure-decode step at batch C; x dec = base's dec ms
+over this row's (the same ratio without prompt steps, whose time varies more
+between engines of one call: bench/RESULTS.md, tenth session); #ad = distinct
 adapters in those steps; loads = adapter loads from disk. Physics: base's
 bound = weights + KV read per decode step, extra = its decode step; LoRA rows'
 bound = #ad x bytes per adapter, extra = decode step minus base's; both over
@@ -70,9 +72,10 @@ CPU_TINY = dict(num_requests=12, concurrency=4, input_len=(4, 24), output_len=(2
 COLUMNS = [("scenario", "{:16}", "s"), ("rank", "{:>3}", "d"), ("registered", "{:>5}", "d"),
            ("tok_s", "{:>8}", ".1f"), ("ttft_p50_ms", "{:>7}", ".1f"), ("ttft_p99_ms", "{:>7}", ".1f"),
            ("tpot_p50_ms", "{:>7}", ".2f"), ("tpot_p99_ms", "{:>7}", ".2f"), ("x_base", "{:>6}", ".3f"),
-           ("decode_ms", "{:>7}", ".2f"), ("adapters", "{:>5}", ".1f"), ("loads", "{:>5}", "d"),
+           ("decode_ms", "{:>7}", ".2f"), ("x_decode", "{:>6}", ".3f"), ("adapters", "{:>5}", ".1f"),
+           ("loads", "{:>5}", "d"),
            ("extra_ms", "{:>7}", ".2f"), ("bound_ms", "{:>7}", ".2f"), ("x_bound", "{:>6}", ".2f")]
-HEADS = ["scenario", "r", "#reg", "tok/s", "ttft50", "ttft99", "tpot50", "tpot99", "x base", "dec ms", "#ad",
+HEADS = ["scenario", "r", "#reg", "tok/s", "ttft50", "ttft99", "tpot50", "tpot99", "x base", "dec ms", "x dec", "#ad",
          "loads", "extra", "bound", "x bnd"]
 
 
@@ -113,7 +116,8 @@ def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: i
         read = row["adapters"] * adapter_bytes(shape, row["rank"], esize)
         extra = row["decode_ms"] - base["decode_ms"]
     bound = 1e3 * read / tp / bw  # each of tp ranks reads about 1/tp of the bytes at its own bandwidth
-    return dict(row, x_base=row["tok_s"] / base["tok_s"], extra_ms=extra, bound_ms=bound, x_bound=extra / bound)
+    return dict(row, x_base=row["tok_s"] / base["tok_s"], x_decode=base["decode_ms"] / row["decode_ms"], extra_ms=extra,
+                bound_ms=bound, x_bound=extra / bound)
 
 
 def fmt(row: dict) -> str:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_ROWS = ["base"] + [f"{p}-r{r}" for r in (16, 64)
                           for p in ("one", "distinct", "uniform100", "zipf100", "uniform1000", "zipf1000")]
 HF_ROWS = ["hf-peft-base", "hf-peft-distinct", "ours-distinct"]
-NUMERIC = 14  # columns after the scenario name in an engine row
+NUMERIC = 15  # columns after the scenario name in an engine row
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_every_scenario_row_has_finite_numbers(tiny_run):
         values = [float(v) for v in rows[name]]
         assert len(values) == NUMERIC and all(math.isfinite(v) for v in values), (name, rows[name])
         assert values[2] > 0, name  # tok/s
-    assert float(rows["base"][7]) == 1.0  # x base
+    assert float(rows["base"][7]) == 1.0 and float(rows["base"][9]) == 1.0  # x base, x dec
     for name in HF_ROWS:
         assert math.isfinite(float(rows[name][2])) and float(rows[name][2]) > 0, (name, rows[name])
     assert "x hf" in tiny_run[0]
@@ -79,8 +79,11 @@ def test_csv_holds_every_row(tiny_run):
     assert set(rows) == set(ENGINE_ROWS + HF_ROWS)
     for name in ENGINE_ROWS:
         for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "x_base", "decode_ms",
-                    "extra_ms", "bound_ms", "x_bound"):
+                    "x_decode", "extra_ms", "bound_ms", "x_bound"):
             assert math.isfinite(float(rows[name][key])), (name, key, rows[name][key])
+        # x dec: base's decode step over the row's (every row here runs on its rank's default engine)
+        assert math.isclose(float(rows[name]["x_decode"]),
+                            float(rows["base"]["decode_ms"]) / float(rows[name]["decode_ms"])), name
         assert int(rows[name]["tokens"]) > 0
     assert int(rows["one-r16"]["loads"]) == 1  # registered once, reused by every request
     assert int(rows["distinct-r16"]["loads"]) == int(rows["distinct-r16"]["requests"])
