@@ -57,7 +57,8 @@ class EngineArgs:
     lora_stacked_max_tokens: int | None = None
     # Stacked steps of up to 32 token rows whose adapters round up (to a power of four) to at most this many
     # run each LoRA linear in one launch: base GEMM, shrink and expand (lora_core/punica/lora_gemm.py; rank 16
-    # slots). None: 4 where the stacked path is on and max_lora_rank is 16, else 0 (off).
+    # slots). None: the device's measured bound (16 on an H100, 4 elsewhere: lora_layers.FUSED_MAX_ADAPTERS)
+    # where the stacked path is on and max_lora_rank is 16, else 0 (off).
     lora_fused_max_adapters: int | None = None
 
     def __post_init__(self) -> None:

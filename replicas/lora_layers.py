@@ -67,6 +67,15 @@ def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: t
     return requested
 
 
+# The default adapter bound of one-launch sites, by device name. 8B engine, Zipf traffic over 100 adapters
+# (~10 per step), decode extra over no LoRA: on an H100 a bound of 16 took it from 1.42 to 0.95 ms per step
+# (the base GEMMs there run long enough to hide phase A); on an H200 it ran 0.10 ms slower than the stacked
+# path (bench/RESULTS.md, eleventh and tenth sessions). Elsewhere (unmeasured) the H200's setting, 4: one
+# adapter's decode extra 0.72 -> 0.44 ms per step there.
+FUSED_MAX_ADAPTERS = (("H100", 16),)
+FUSED_MAX_ADAPTERS_ELSE = 4
+
+
 def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank: int, device_name: str = "") -> int:
     """EngineArgs.lora_fused_max_adapters resolved: None is FUSED_MAX_ADAPTERS' value for the device (by name)
     where stacked steps run with rank-16 slots (the one launch's measured settings, lora_gemm.tiling), else 0;
@@ -79,15 +88,6 @@ def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank
     if requested is not None:
         return requested
     return next((bound for key, bound in FUSED_MAX_ADAPTERS if key in device_name), FUSED_MAX_ADAPTERS_ELSE)
-
-
-# The default adapter bound of one-launch sites, by device name. 8B engine, Zipf traffic over 100 adapters
-# (~10 per step), decode extra over no LoRA: on an H100 a bound of 16 took it from 1.42 to 0.95 ms per step
-# (the base GEMMs there run long enough to hide phase A); on an H200 it ran 0.10 ms slower than the stacked
-# path (bench/RESULTS.md, eleventh and tenth sessions). Elsewhere (unmeasured) the H200's setting, 4: one
-# adapter's decode extra 0.72 -> 0.44 ms per step there.
-FUSED_MAX_ADAPTERS = (("H100", 16),)
-FUSED_MAX_ADAPTERS_ELSE = 4
 
 
 def stack_lora_weights(model: nn.Module, specs: list[LoRAModuleSpec], lora_config: LoRAConfig

@@ -77,7 +77,7 @@ class RunnerConfig:
     lora_merge_steps: int = 0  # > 0: one adapter alone for this many steps runs merged (replicas/lora_merge.py)
     # steps of up to this many token rows shrink in the base GEMMs (lora_core/stacked_a.py); None: 256 on CUDA
     lora_stacked_max_tokens: int | None = None
-    lora_fused_max_adapters: int | None = None  # one launch per LoRA site for small steps; None: 4 if stacked
+    lora_fused_max_adapters: int | None = None  # one launch per LoRA site for small steps; None: by device
 
 
 class ModelRunner:
