@@ -155,21 +155,26 @@ def sweep_dealing(args, dtype, bw: float, floor_us: float) -> None:
     sweep_settings(args, dtype, bw, floor_us, deals, lambda d: "/".join(map(str, d)), apply)
 
 
-def sweep_bgmv_tile(args, dtype, bw: float, floor_us: float) -> None:
-    """--bgmv-tile: triton_ops.BGMV_SHRINK_TILE (0: the shrink's K steps as before it)."""
+# --flag: (the triton_ops knob it sweeps side by side, its help). Each knob is a host-side plan setting of the
+# BGMV shrink, so a sweep swaps it between cases of one process.
+BGMV_SWEEPS = {
+    "bgmv_tile": ("BGMV_SHRINK_TILE", "BGMV shrink tile limits (0: one K step of the rank's default width)"),
+    "bgmv_splits": ("BGMV_MAX_SPLITS", "BGMV shrink split limits (fewer: longer shrink programs, fewer partials)"),
+    "bgmv_partials": ("BGMV_SPLIT_PARTIALS", "BGMV split partials per row, rank x splits (0: no cap)"),
+}
+
+
+def sweep_bgmv(args, dtype, bw: float, floor_us: float) -> bool:
+    """The first --bgmv-* flag given, side by side; False when none was."""
     from lora_core.punica import triton_ops
 
-    sweep_settings(args, dtype, bw, floor_us, args.bgmv_tile, str,
-                   lambda tile: setattr(triton_ops, "BGMV_SHRINK_TILE", tile))
-
-
-def sweep_bgmv_splits(args, dtype, bw: float, floor_us: float) -> None:
-    """--bgmv-splits: triton_ops.BGMV_MAX_SPLITS (fewer splits: longer shrink programs, fewer partials for
-    the expand to read back)."""
-    from lora_core.punica import triton_ops
-
-    sweep_settings(args, dtype, bw, floor_us, args.bgmv_splits, str,
-                   lambda splits: setattr(triton_ops, "BGMV_MAX_SPLITS", splits))
+    for flag, (knob, _) in BGMV_SWEEPS.items():
+        if getattr(args, flag):
+            print(f"one-kernel graph floor {floor_us:.2f} us; triton_ops.{knob}")
+            sweep_settings(args, dtype, bw, floor_us, getattr(args, flag), str,
+                           lambda value, knob=knob: setattr(triton_ops, knob, value))
+            return True
+    return False
 
 
 def main() -> None:
@@ -178,14 +183,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--deal", action="append", default=[], metavar="SHRINK,EXPAND,SPLIT_ROWS",
                         help="sweep the SGMV dealing settings of triton_ops instead (repeat; 0,0,0 = off)")
-    parser.add_argument("--bgmv-tile", type=int, nargs="+", default=[],
-                        help="BGMV shrink tile limits side by side (triton_ops.BGMV_SHRINK_TILE; 0: one K step "
-                             "of the rank's default width)")
-    parser.add_argument("--bgmv-splits", type=int, nargs="+", default=[],
-                        help="BGMV shrink split limits side by side (triton_ops.BGMV_MAX_SPLITS)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 256], help="with --deal, --bgmv-tile")
-    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="with --deal, --bgmv-tile")
-    parser.add_argument("--pops", nargs="+", default=list(POPULARITY), help="with --deal, --bgmv-tile")
+    for flag, (knob, text) in BGMV_SWEEPS.items():
+        parser.add_argument("--" + flag.replace("_", "-"), type=int, nargs="+", default=[],
+                            help=f"{text}, side by side (triton_ops.{knob})")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 256], help="with --deal, --bgmv-*")
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="with --deal, --bgmv-*")
+    parser.add_argument("--pops", nargs="+", default=list(POPULARITY), help="with --deal, --bgmv-*")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -195,9 +198,7 @@ def main() -> None:
     if args.deal:
         sweep_dealing(args, dtype, bw, floor_us)
         return
-    if args.bgmv_tile or args.bgmv_splits:
-        print(f"one-kernel graph floor {floor_us:.2f} us")
-        (sweep_bgmv_tile if args.bgmv_tile else sweep_bgmv_splits)(args, dtype, bw, floor_us)
+    if sweep_bgmv(args, dtype, bw, floor_us):
         return
     floor2_us = time_graph(graph_of(lambda: (_noop[(1,)](flag), _noop[(1,)](flag))))
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "

@@ -23,6 +23,9 @@ import torch
 from torch import nn
 
 
+TABLE_WIDTH_ALIGN = 16
+
+
 @dataclass
 class AttentionMetadata:
     """One step's batch layout, shared by every layer.
@@ -30,7 +33,8 @@ class AttentionMetadata:
     query_start_loc: [num_seqs + 1] int32, sequence i's new tokens are rows
         query_start_loc[i]:query_start_loc[i+1] of q / k / v (sequences are contiguous).
     seq_lens: [num_seqs] int32, context length of each sequence INCLUDING its new tokens.
-    block_tables: [num_seqs, max_blocks] int32, physical block ids of each sequence (padding arbitrary).
+    block_tables: [num_seqs, width] int32, physical block ids of each sequence; width is the most blocks a
+        sequence holds rounded up to TABLE_WIDTH_ALIGN (padding arbitrary).
     slot_mapping: [num_tokens] int64, cache slot for each new token's K/V; -1 = do not write (padding).
     max_query_len / max_seq_len: host-side maxima (kernel launch sizes).
     query_lens_host / seq_lens_host: host copies, so the reference path never syncs with the device.
@@ -65,7 +69,11 @@ class AttentionMetadata:
                 raise ValueError(f"sequence with {q_len} new of {s_len} tokens does not fit {len(table)} blocks")
             slots += [table[p // block_size] * block_size + p % block_size for p in range(s_len - q_len, s_len)]
             starts.append(starts[-1] + q_len)
-        width = max((len(t) for t in block_tables), default=0)
+        # Width padded to a multiple of TABLE_WIDTH_ALIGN: Triton compiles a kernel variant per class of each
+        # integer argument (1, a multiple of 16, other), and the table's row stride is one. Unpadded, a prefill
+        # step's width fell in a class the engine's warm-up had not met (0.5-1 s compile stalls mid-serving,
+        # bench/engine.py on a fresh Triton cache, RESULTS.md twelfth session).
+        width = -(-max((len(t) for t in block_tables), default=0) // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN
         tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
 
         def tensor(data, dtype):

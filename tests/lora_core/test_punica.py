@@ -280,12 +280,31 @@ def test_bgmv_shrink_takes_its_k_chunk_in_one_step_where_a_tile_holds_it(monkeyp
     assert (block_k, split_k) == (64, 64)  # 224 inputs per program: four steps of 64
 
 
+def test_bgmv_split_partials_cap_the_splits_unless_a_program_would_take_more_k_steps(monkeypatch):
+    """Host-side launch plan: a decode shrink splits K at most BGMV_SPLIT_PARTIALS / rank ways (each split is a
+    partial every expand program reads back), but never so few that a program takes more than one A tile."""
+    from lora_core.punica import triton_ops
+    from lora_core.punica.metadata import PunicaMetadata
+
+    meta = PunicaMetadata(64, 64, torch.device("cpu"))
+    meta.update([3], 1)
+    plan = {(hidden, rank): triton_ops.shrink_config(meta, hidden, 1, rank)[:2]
+            for hidden in (4096, 14336) for rank in (16, 64)}
+    monkeypatch.setattr(triton_ops, "BGMV_SPLIT_PARTIALS", 0)
+    uncapped = {(h, r): triton_ops.shrink_config(meta, h, 1, r)[:2] for h, r in plan}
+    assert plan[4096, 64] == (256, 16) and uncapped[4096, 64] == (64, 64)  # 64 x 64 partials -> 16 x 64
+    assert plan[14336, 64] == uncapped[14336, 64] == (256, 64)  # 16 splits would take four steps of 256
+    assert plan[4096, 16] == uncapped[4096, 16] and plan[14336, 16] == uncapped[14336, 16]
+
+
+@pytest.mark.parametrize("hidden", [14336, 4096])
 @pytest.mark.parametrize("rank", [16, 64])
-def test_decode_lora_over_down_proj_inputs(rank):
-    """One decode row over down_proj's 14,336 inputs (the widest one-step shrink tiles) equals the reference."""
+def test_decode_lora_over_llama_inputs(rank, hidden):
+    """One decode row over down_proj's 14,336 inputs (the widest one-step shrink tiles) and the 4,096 of the
+    other sites (the partials cap's fewer splits at rank 64) equals the reference."""
     dtype = DTYPES[-1]
     g = torch.Generator().manual_seed(rank)
-    hidden, slices = 14336, (32,)
+    slices = (32,)
     a, b, ranks = stacked_weights(4, rank, hidden, slices, [rank], dtype, DEVICE, g)
     ids = [1, 2, 3, 4]
     mapping = _mapping([2], ids, False)

@@ -130,3 +130,20 @@ def test_backend_writes_the_cache_and_attends_like_the_reference(monkeypatch, fu
     got = triton_attention(q, k, v, got_k, got_v, meta, head_dim ** -0.5)
     assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("blocks", [[1], [1, 3], [16], [17, 2], [5, 32]])
+def test_block_table_width_is_aligned_so_one_kernel_variant_serves_every_step(blocks):
+    """The table's row stride is a kernel argument that Triton specializes (1, multiple of 16, other): a width
+    rounded up to TABLE_WIDTH_ALIGN keeps every step in the class that warm-up compiled."""
+    from replicas.attention import TABLE_WIDTH_ALIGN, AttentionMetadata
+
+    block_size = 16
+    tables = [list(range(100 * i, 100 * i + n)) for i, n in enumerate(blocks)]
+    lens = [n * block_size for n in blocks]
+    meta = AttentionMetadata.build(lens, lens, tables, block_size)
+    width = meta.block_tables.shape[1]
+    assert TABLE_WIDTH_ALIGN == 16 and width % 16 == 0 and max(blocks) <= width < max(blocks) + 16
+    assert meta.block_tables.stride(0) == width
+    for row, table in zip(meta.block_tables.tolist(), tables):
+        assert row[: len(table)] == table
