@@ -161,6 +161,7 @@ BGMV_SWEEPS = {
     "bgmv_tile": ("BGMV_SHRINK_TILE", "BGMV shrink tile limits (0: one K step of the rank's default width)"),
     "bgmv_splits": ("BGMV_MAX_SPLITS", "BGMV shrink split limits (fewer: longer shrink programs, fewer partials)"),
     "bgmv_partials": ("BGMV_SPLIT_PARTIALS", "BGMV split partials per row, rank x splits (0: no cap)"),
+    "bgmv_min_programs": ("BGMV_MIN_PROGRAMS", "programs a capped BGMV shrink keeps, up to one K step each"),
 }
 
 

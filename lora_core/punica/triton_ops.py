@@ -31,11 +31,15 @@ BGMV_SHRINK_TILE = 16384
 # Most K splits of a BGMV shrink per row: each split is a [rank] float32 partial that every expand program of the
 # row reads back (rank 64 at 64 splits: 16 KB per program; `bench/kernels.py --bgmv-splits` sweeps it).
 BGMV_MAX_SPLITS = 64
-# Most split partials (rank x splits floats) per BGMV row, unless fewer splits would leave a program more than one
-# BGMV_SHRINK_TILE step. H100, T = 1, rank 64: qkv 9.98 -> 9.28 us, gate_up 12.86 -> 11.36 at 16 splits instead of
-# 64; down_proj (14,336 inputs) keeps 64, where 16 took four K steps (14.30). Rank 16 plans at most 32 splits (its
-# 256-wide K blocks) and is left alone (bench/kernels.py --bgmv-splits, RESULTS.md twelfth session). 0: no cap.
+# Most split partials (rank x splits floats) per BGMV row: every expand program of the row reads them all back.
+# H100, T = 1, rank 64: qkv 9.98 -> 9.28 us, gate_up 12.86 -> 11.36 at 16 splits instead of 64. Rank 16 plans at
+# most 32 splits (its 256-wide K blocks) and is left alone (bench/kernels.py --bgmv-splits, RESULTS.md twelfth
+# session). 0: no cap.
 BGMV_SPLIT_PARTIALS = 1024
+# ... unless the launch would then hold fewer programs than this, each taking more than one BGMV_SHRINK_TILE step:
+# T = 1 down_proj (14,336 inputs) at rank 64 took 10.4 us at 64 splits (one step), 14.3 at 16 (four steps, 16
+# programs); at T = 16, 16 splits (256 programs) took 29.7 against 33.8 at 64.
+BGMV_MIN_PROGRAMS = 128
 
 
 def _deal_target(programs: int, meta: PunicaMetadata) -> int:
@@ -113,7 +117,9 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int)
         split_k = min(k_blocks, 1 << (wanted - 1).bit_length(), BGMV_MAX_SPLITS)
         if BGMV_SPLIT_PARTIALS:
             one_step = -(-hidden // max(1, BGMV_SHRINK_TILE // _block_r(rank)))
-            split_k = min(split_k, max(BGMV_SPLIT_PARTIALS // _block_r(rank), 1 << (one_step - 1).bit_length(), 1))
+            to_fill = -(-BGMV_MIN_PROGRAMS // (meta.num_rows * num_slices))
+            floor = 1 << (max(1, min(one_step, to_fill)) - 1).bit_length()
+            split_k = min(split_k, max(BGMV_SPLIT_PARTIALS // _block_r(rank), floor))
         # Each program's K chunk in one step where a tile of BGMV_SHRINK_TILE elements holds it: a second
         # step's A loads wait behind the first (down_proj: 14,336 / 32 splits took two 256-wide steps).
         chunk = 1 << (-(-hidden // split_k) - 1).bit_length()
