@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.kernels import graph_of, time_graph  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper  # noqa: E402
-from lora_core.punica.lora_gemm import LoRAGemm, reference, tiling  # noqa: E402
+from lora_core.punica.lora_gemm import RANK_CHUNK, LoRAGemm, reference, tiling  # noqa: E402
 from lora_core.punica.metadata import adapter_bound, host_active  # noqa: E402
 from lora_core.stacked_a import a_rows, stack_weight  # noqa: E402
 from tests.lora_core.punica_cases import token_slots  # noqa: E402
@@ -45,8 +45,16 @@ LORA_W = {"qkv": dict(block_n=64, block_k=128), "o": dict(block_n=32, block_k=12
           "gate_up": dict(block_n=64, block_k=128), "down": dict(block_n=32, block_k=128)}
 
 
-def configs(n: int, k: int, slices, lora: bool, site: str):
+def configs(n: int, k: int, slices, lora: bool, site: str, rank: int = 16):
     """LoRAGemm settings to time for a site: base-only tilings (W programs 96-2048), or LoRA variants."""
+    if lora and rank > RANK_CHUNK:  # B gathered after the K loop; phase A's A tiles (block_ka x S*rank) and warps
+        for w_tiles, block_ka, a_splits, warps in itertools.product(
+                (BASE_W[site], LORA_W[site]), (32, 64), (4, 8), (4, 8)):
+            if n % w_tiles["block_n"] or any(s % w_tiles["block_n"] for s in slices):
+                continue
+            yield dict(w_tiles, split_w=1, num_stages=4, a_splits=a_splits, prefetch_b=False, block_ka=block_ka,
+                       num_warps=warps)
+        return
     if lora:  # the W tilings of earlier sweeps with phase A's split and the B prefetch varied, then W's grid
         seen = []
         for w_tiles, a_splits, prefetch in itertools.product((BASE_W[site], LORA_W[site]), (1, 4), (True, False)):
@@ -65,8 +73,8 @@ def configs(n: int, k: int, slices, lora: bool, site: str):
         yield dict(block_n=bn, block_k=bk, split_w=split, num_stages=stages)
 
 
-def sweep(rows: int, sites: list[str], lora: bool) -> dict[str, dict]:
-    """Best config per site, base only or with one rank-16 adapter on every row."""
+def sweep(rows: int, sites: list[str], lora: bool, rank: int = 16) -> dict[str, dict]:
+    """Best config per site, base only or with one adapter of this rank on every row."""
     best = {}
     for site in sites:
         k, slices = SITES[site]
@@ -75,15 +83,15 @@ def sweep(rows: int, sites: list[str], lora: bool) -> dict[str, dict]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         cublas = time_graph(graph_of(lambda: torch.nn.functional.linear(x, w)))
-        a = torch.randn(4, len(slices) * 16, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        b = torch.randn(4, n, 16, device="cuda", dtype=torch.bfloat16) / 4
+        a = torch.randn(4, len(slices) * rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        b = torch.randn(4, n, rank, device="cuda", dtype=torch.bfloat16) / rank ** 0.5
         slots = torch.full((rows,), 2, dtype=torch.int32, device="cuda")
         row_active, active, num_active = (torch.from_numpy(t).cuda() for t in host_active(slots.cpu().numpy(), 4))
-        want = (reference(x, w, a, b, slots.cpu(), slices, 16) if lora
+        want = (reference(x, w, a, b, slots.cpu(), slices, rank) if lora
                 else torch.nn.functional.linear(x, w).float())
         rows_out = []
-        for cfg in configs(n, k, slices, lora, site):
-            g = LoRAGemm(n, k, slices, 16, rows, int(lora), "cuda", **cfg)
+        for cfg in configs(n, k, slices, lora, site, rank):
+            g = LoRAGemm(n, k, slices, rank, rows, int(lora), "cuda", **cfg)
             run = lambda g=g: g(y, x, w, a, b, slots, row_active, active, num_active)  # noqa: E731
             try:
                 run()
@@ -198,7 +206,7 @@ def main() -> None:
         if a.engine_tiling:
             best_lora = {name: tiling(sum(sl), k, sl, a.rank) for name, (k, sl) in SITES.items()}
         else:
-            best_lora = sweep(a.rows, a.sites, True)
+            best_lora = sweep(a.rows, a.sites, True, a.rank)
         if a.a_splits:
             best_lora = {name: dict(cfg, a_splits=a.a_splits) for name, cfg in best_lora.items()}
         print(f"in situ LoRA settings: {best_lora}")

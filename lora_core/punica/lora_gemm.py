@@ -38,6 +38,10 @@ import triton.language as tl
 
 from lora_core.punica.triton_kernels import _dot  # float32 products in float32, as cuBLAS computes them
 
+# The expand adds a row's LoRA term this many ranks at a time: each row's B tile is gathered into registers
+# (rows x block_n x chunk), which the tilings measured at rank 16 hold.
+RANK_CHUNK = 16
+
 
 @triton.jit
 def lora_gemm_kernel(
@@ -45,7 +49,7 @@ def lora_gemm_kernel(
     s_ws_ptr, y_ws_ptr, cnt_ptr, tile_cnt_ptr,
     M, N, K,
     sx_m, sw_n, sy_m, sa_l, sa_q, sb_l, sb_n,
-    SR: tl.constexpr, SRP: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    SR: tl.constexpr, SRP: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, S: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
     SPLIT_W: tl.constexpr, MAXA: tl.constexpr, A_SPLITS: tl.constexpr, PREFETCH_B: tl.constexpr,
     IEEE: tl.constexpr,
@@ -88,7 +92,7 @@ def lora_gemm_kernel(
             sl = 0
             for i in tl.static_range(1, S):
                 sl += (n0 >= tl.load(slice_off_ptr + i)).to(tl.int32)
-            offs_r = tl.arange(0, R)
+            offs_r = tl.arange(0, RC)
             if PREFETCH_B:
                 bg = tl.load(b_ptr + row_slot[:, None, None].to(tl.int64) * sb_l
                              + offs_n[None, :, None].to(tl.int64) * sb_n + offs_r[None, None, :],
@@ -120,16 +124,20 @@ def lora_gemm_kernel(
                 done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
                 while done < MAXA * A_SPLITS:
                     done = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
-                if not PREFETCH_B:
-                    bg = tl.load(b_ptr + row_slot[:, None, None].to(tl.int64) * sb_l
-                                 + offs_n[None, :, None].to(tl.int64) * sb_n + offs_r[None, None, :],
-                                 mask=(row_slot >= 0)[:, None, None], other=0.0)
-                s_rows = s_ws_ptr + row_act[:, None] * (BM * SRP) + offs_m[:, None] * SRP + sl * R + offs_r[None, :]
-                srow = tl.zeros((BM, R), dtype=tl.float32)
-                for sp in tl.static_range(A_SPLITS):
-                    srow += tl.load(s_rows + sp * (MAXA * BM * SRP), mask=(row_act >= 0)[:, None], other=0.0,
-                                    cache_modifier=".cg")
-                acc += tl.sum(bg.to(tl.float32) * srow[:, None, :], axis=2)
+                # RC of the rank at a time (the whole rank where PREFETCH_B holds it): the gathered B tiles take
+                # BM x BN x RC registers.
+                for r0 in tl.static_range(0, R, RC):
+                    if not PREFETCH_B:
+                        bg = tl.load(b_ptr + row_slot[:, None, None].to(tl.int64) * sb_l
+                                     + offs_n[None, :, None].to(tl.int64) * sb_n + r0 + offs_r[None, None, :],
+                                     mask=(row_slot >= 0)[:, None, None], other=0.0)
+                    s_rows = (s_ws_ptr + row_act[:, None] * (BM * SRP) + offs_m[:, None] * SRP + sl * R + r0
+                              + offs_r[None, :])
+                    srow = tl.zeros((BM, RC), dtype=tl.float32)
+                    for sp in tl.static_range(A_SPLITS):
+                        srow += tl.load(s_rows + sp * (MAXA * BM * SRP), mask=(row_act >= 0)[:, None], other=0.0,
+                                        cache_modifier=".cg")
+                    acc += tl.sum(bg.to(tl.float32) * srow[:, None, :], axis=2)
             tl.store(y_ptr + offs_m[:, None] * sy_m + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=m_mask[:, None])
     tl.debug_barrier()
@@ -146,12 +154,17 @@ class LoRAGemm:
 
     def __init__(self, n: int, k: int, slices: tuple[int, ...], rank: int, max_rows: int, max_active: int,
                  device, block_n: int = 64, block_k: int = 128, split_w: int = 1, block_ka: int = 128,
-                 num_warps: int = 4, num_stages: int = 4, a_splits: int = 1, prefetch_b: bool = True) -> None:
+                 num_warps: int = 4, num_stages: int = 4, a_splits: int = 1, prefetch_b: bool | None = None) -> None:
         if rank < 16 or rank & (rank - 1):
             raise ValueError(f"rank {rank}: LoRAGemm needs a power of two >= 16 (pad the slots)")
+        prefetch_b = rank <= RANK_CHUNK if prefetch_b is None else prefetch_b  # default: where registers allow
+        if prefetch_b and rank > RANK_CHUNK:
+            raise ValueError(f"prefetch_b holds each row's whole B tile (rank {rank}) in registers: rank "
+                             f"<= {RANK_CHUNK} only")
         if n % block_n or any(width % block_n for width in slices) or k % block_k:
             raise ValueError(f"block_n {block_n} must divide N {n} and every slice {slices}; block_k {block_k} K {k}")
         self.n, self.k, self.slices, self.rank = n, k, slices, rank
+        self.rank_chunk = min(rank, RANK_CHUNK)
         self.block_m = max(16, triton.next_power_of_2(max_rows))
         self.block_n, self.block_k, self.split_w, self.block_ka = block_n, block_k, split_w, block_ka
         self.num_warps, self.num_stages = num_warps, num_stages
@@ -189,7 +202,7 @@ class LoRAGemm:
             self.s_ws, self.y_ws, self.cnt, self.tile_cnt,
             m, self.n, self.k,
             x.stride(0), w.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            SR=len(self.slices) * self.rank, SRP=self.srp, R=self.rank, S=len(self.slices),
+            SR=len(self.slices) * self.rank, SRP=self.srp, R=self.rank, RC=self.rank_chunk, S=len(self.slices),
             BM=self.block_m, BN=self.block_n, BK=self.block_k, BKA=self.block_ka,
             SPLIT_W=self.split_w, MAXA=maxa, A_SPLITS=self.a_splits, PREFETCH_B=self.prefetch_b,
             IEEE=x.dtype == torch.float32,

@@ -36,11 +36,11 @@ CASES = [
 ]
 
 
-def _weights(n: int, k: int, slices: tuple[int, ...], dtype: torch.dtype, g: torch.Generator):
+def _weights(n: int, k: int, slices: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, rank: int = RANK):
     """w [N, K], a [L, S*R, K], b [L, N, R], scaled so the base and the LoRA terms are both of order one."""
     w = torch.randn(n, k, generator=g) / k ** 0.5
-    a = torch.randn(NUM_SLOTS, len(slices) * RANK, k, generator=g) / k ** 0.5
-    b = torch.randn(NUM_SLOTS, n, RANK, generator=g) / RANK ** 0.5
+    a = torch.randn(NUM_SLOTS, len(slices) * rank, k, generator=g) / k ** 0.5
+    b = torch.randn(NUM_SLOTS, n, rank, generator=g) / rank ** 0.5
     return w.to(DEVICE, dtype), a.to(DEVICE, dtype), b.to(DEVICE, dtype)
 
 
@@ -99,6 +99,31 @@ def test_matches_reference(m, slices, k, block_n, split_w, a_splits, prefetch_b,
     if any(s >= 0 for s in slots):  # the LoRA term is not vacuous
         assert (want - x.float() @ w.float().t()).abs().max() > 0.1
     assert _counters_zero(g), (g.cnt, g.tile_cnt)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rank,slices,m,popularity", [(32, QKV, 3, "zipf"), (64, GATE_UP, 5, "distinct"),
+                                                      (64, O, 2, "identical")])
+def test_ranks_above_one_chunk_match_reference(rank, slices, m, popularity, dtype):
+    """Ranks past RANK_CHUNK: the expand adds each row's LoRA term a chunk of ranks at a time (B gathered after
+    the K loop, the default there), and equals the reference."""
+    gen = torch.Generator().manual_seed(rank + m)
+    n, k = sum(slices), 64
+    w, a, b = _weights(n, k, slices, dtype, gen, rank)
+    slots = [(s + 1) % NUM_SLOTS for s in token_slots(m, NUM_SLOTS, popularity, gen)]
+    slots[0] = -1 if m > 2 else slots[0]
+    max_active = len({s for s in slots if s >= 0})
+    rows, active, num_active = _tables(slots, max_active)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    g = LoRAGemm(n, k, slices, rank, m, max_active, DEVICE, block_n=32, block_k=32, block_ka=16, a_splits=2)
+    assert not g.prefetch_b and g.rank_chunk == 16
+    got = _run(g, x, w, a, b, rows, active, num_active)
+    want = reference(x, w, a, b, torch.tensor(slots), slices, rank)
+    _assert_close(got, want, dtype)
+    assert (want - x.float() @ w.float().t()).abs().max() > 0.1
+    assert _counters_zero(g)
+    with pytest.raises(ValueError, match="prefetch_b"):
+        LoRAGemm(n, k, slices, rank, m, max_active, DEVICE, block_n=32, block_k=32, prefetch_b=True)
 
 
 @pytest.mark.parametrize("split_w,a_splits", [(1, 1), (2, 3), (4, 2)])
