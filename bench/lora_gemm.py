@@ -49,7 +49,7 @@ def configs(n: int, k: int, slices, lora: bool, site: str, rank: int = 16):
     """LoRAGemm settings to time for a site: base-only tilings (W programs 96-2048), or LoRA variants."""
     if lora and rank > RANK_CHUNK:  # B gathered after the K loop; phase A's A tiles (block_ka x S*rank) and warps
         for w_tiles, block_ka, a_splits, warps in itertools.product(
-                (BASE_W[site], LORA_W[site]), (32, 64), (4, 8), (4, 8)):
+                (BASE_W[site], LORA_W[site]), (32, 64), (4, 8, 16), (4, 8)):
             if n % w_tiles["block_n"] or any(s % w_tiles["block_n"] for s in slices):
                 continue
             yield dict(w_tiles, split_w=1, num_stages=4, a_splits=a_splits, prefetch_b=False, block_ka=block_ka,

@@ -215,8 +215,10 @@ def tiling(n: int, k: int, slices: tuple[int, ...], rank: int) -> dict | None:
 
     From bench/lora_gemm.py on an H100, 32 rows, 8B sites (RESULTS.md, tenth session): 32-column tiles but
     64 for gate_up-sized outputs (more programs than SMs either way), 256-deep K steps when there are at
-    most 128 tiles (o, down), else 128 (shallower where K needs it), phase A split 4 ways. Rank 16 only:
-    each row's B tile is gathered into registers (rows x block_n x rank), which these settings hold at 16.
+    most 128 tiles (o, down), else 128 (shallower where K needs it), phase A split 4 ways. Rank 16 only: at
+    rank 64 the best tilings of a sweep (bench/lora_gemm.py --rank 64) ran 1.08-1.27 x cuBLAS per site with one
+    adapter, and in situ one adapter cost +1025 us per step against the stacked path's +868, Zipf-14 +3629
+    against +3076 (H100, RESULTS.md twelfth session).
     """
     if rank != 16:
         return None

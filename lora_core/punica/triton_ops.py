@@ -36,10 +36,11 @@ BGMV_MAX_SPLITS = 64
 # most 32 splits (its 256-wide K blocks) and is left alone (bench/kernels.py --bgmv-splits, RESULTS.md twelfth
 # session). 0: no cap.
 BGMV_SPLIT_PARTIALS = 1024
-# ... unless the launch would then hold fewer programs than this, each taking more than one BGMV_SHRINK_TILE step:
-# T = 1 down_proj (14,336 inputs) at rank 64 took 10.4 us at 64 splits (one step), 14.3 at 16 (four steps, 16
-# programs); at T = 16, 16 splits (256 programs) took 29.7 against 33.8 at 64.
-BGMV_MIN_PROGRAMS = 128
+# ... unless the launch would then hold fewer programs than this, each taking more than one BGMV_SHRINK_TILE step.
+# down_proj (14,336 inputs) at rank 64, H100: T = 1 took 10.4 us at 64 splits (one step), 14.3 at 16 (four steps,
+# 16 programs); T = 16 29.7 at 16 splits against 33.8 at 64. H200, T = 2: 11.0 at 32 splits (64 programs) against
+# 15.5 at 64 and 14.0 at 16 (bench/kernels.py --bgmv-min-programs, RESULTS.md twelfth session).
+BGMV_MIN_PROGRAMS = 64
 
 
 def _deal_target(programs: int, meta: PunicaMetadata) -> int:
