@@ -42,11 +42,43 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def process_path(loads, pools: AdapterPools, rank: int, count: int, processes: int, mb: float) -> None:
+    """Loads through the worker processes, one at a time, both ways: through a shared slab of the worker's
+    (read + prepare there, as the loader thread waits for it, then the copy into this process's pinned pool),
+    and written by the worker into a block of the shared pool; then `processes` at once."""
+    loader = loads.process_loader
+    worker, adopt, direct = [], [], []
+    for req, req2 in zip(pools.pool("process", rank, count), pools.pool("process-pool", rank, count)):
+        t0 = time.perf_counter()
+        _, shared = loader.load_shared(req)
+        t1 = time.perf_counter()
+        loads.manager.adopt_shared(shared)
+        t2 = time.perf_counter()
+        _, adapter = loader.load(req2)
+        direct.append(time.perf_counter() - t2)
+        worker.append(t1 - t0)
+        adopt.append(t2 - t1)
+        del adapter  # its block back to the pool
+    reqs = pools.pool("process-many", rank, 2 * processes)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(processes) as pool:
+        list(pool.map(loads.load_prepared, reqs))
+    rate = len(reqs) / (time.perf_counter() - t0)
+    w, c, d = (1e3 * statistics.median(v) for v in (worker, adopt, direct))
+    shared_pool = loads.manager.host_pool is not None and loads.manager.host_pool.shared
+    print(f"r{rank} through {processes} loader processes, one at a time: via the worker's slab {w:.1f} ms + copy "
+          f"into pinned {c:.1f} ms = {w + c:.1f} ms; into a block of the {'shared' if shared_pool else 'PRIVATE'} "
+          f"pool {d:.1f} ms ({(w + c) / d:.2f} x); {processes} at once {rate:.1f} adapters/s "
+          f"({rate * mb / 1e3:.2f} GB/s)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     p.add_argument("--count", type=int, default=8)
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU (a smoke run)")
+    p.add_argument("--processes", type=int, default=0,
+                   help="also time loads through this many loader processes (EngineArgs.lora_load_processes)")
     a = p.parse_args(argv)
     shape = TINY if a.tiny else LLAMA3_8B
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -57,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for rank in a.ranks:
         engine = make_engine(model_dir, a, rank, max_loras=a.count, max_seqs=8, max_len=256,
-                             max_cpu_loras=4 * a.count)
+                             max_cpu_loras=8 * a.count, overrides={"lora_load_processes": a.processes})
         runner = engine.executor.runner
         manager = runner.lora_manager
         mb = adapter_bytes(shape, rank, torch.empty((), dtype=dtype).element_size()) / 1e6
@@ -96,8 +128,11 @@ def main(argv: list[str] | None = None) -> None:
         med = {k: 1e3 * statistics.median(v) for k, v in phases.items()}
         rows.append((rank, mb, med, a.count / threaded))
         print(f"r{rank}: {mb:.0f} MB  " + "  ".join(f"{k} {v:.1f} ms ({mb / v:.2f} GB/s)" for k, v in med.items())
-              + f"  |  loader threads: {a.count / threaded:.1f} adapters/s ({a.count * mb / threaded / 1e3:.2f} GB/s)",
+              + f"  |  loader {'processes' if a.processes else 'threads'}: {a.count / threaded:.1f} adapters/s "
+              f"({a.count * mb / threaded / 1e3:.2f} GB/s)",
               flush=True)
+        if a.processes:
+            process_path(runner.loads, pools, rank, a.count, a.processes, mb)
         prof = cProfile.Profile()
         req = pools.pool("profile", rank, 1)[0]
         prof.enable()

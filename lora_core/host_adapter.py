@@ -100,17 +100,23 @@ class AdapterPreparer:
         linear = frozenset(name for name, spec in specs.items() if spec.kind is LoRAKind.LINEAR)
         self.layout = SlotLayout(self.dims, slot_dtype, lora_config.bias_enabled, a_last=linear)
 
-    def prepare(self, lora: LoRAModel, memory: str = "plain", pool: PinnedSlabPool | None = None) -> HostAdapter:
+    def prepare(self, lora: LoRAModel, memory: str = "plain", pool: PinnedSlabPool | None = None,
+                out: torch.Tensor | None = None) -> HostAdapter:
         """Validate lora against the slots and lay it out for them in ONE host allocation.
 
         memory: "plain", "pinned" (for asynchronous host-to-device copies) or
         "shared" (shared memory, to hand the adapter from a loader process to
         the serving one without a copy; HostAdapter.copy() then pins it).
         pool: plain or pinned slabs come from its blocks while it has free ones.
-        Raises the typed errors of a bad adapter and touches nothing else.
+        out: write into this slab (uint8, at least slot_bytes) instead: a block of a pool that a loader
+        process shares with the serving one (in_block() there). Raises the typed errors of a bad
+        adapter and touches nothing else (out excepted).
         """
         if memory not in _MEMORY:
             raise ValueError(f"memory must be one of {_MEMORY}, got {memory!r}")
+        if out is not None and (out.dtype != torch.uint8 or out.numel() < self.layout.slot_bytes):
+            raise ValueError(f"out must be a uint8 slab of >= {self.layout.slot_bytes} bytes, got {out.dtype} "
+                             f"[{out.numel()}]")
         where = lora.path or f"LoRA adapter {lora.id}"
         max_rank = self.config.max_lora_rank
         if lora.rank > max_rank:
@@ -123,12 +129,21 @@ class AdapterPreparer:
             self._check_layer(where, name, layer, self.specs[spec_name], index)
             grouped.setdefault(spec_name, [None] * len(self.specs[spec_name].out_slices))[index] = layer
         modules = {name: self._prepare_module(self.specs[name], layers) for name, layers in grouped.items()}
+        if out is not None:
+            slab = out[:self.layout.slot_bytes]
+            return HostAdapter(lora.id, lora.rank, slab, self._write_image(slab, modules))
         pool = pool if memory != "shared" else None
         slab, block = _slab(self.layout.slot_bytes, memory == "pinned", pool)
         if memory == "shared":
             slab.share_memory_()  # empty, so moving it to shared memory copies nothing
         ranks = self._write_image(slab, modules)
         return _owning(pool, block, HostAdapter(lora.id, lora.rank, slab, ranks, block))
+
+    def in_block(self, lora_id: int, rank: int, block: PinnedBlock, pool: PinnedSlabPool) -> HostAdapter:
+        """The adapter that prepare(out=block.tensor) wrote (in a loader process sharing the pool's region),
+        owning the block: it goes back to the pool when the adapter is collected."""
+        slab = block.tensor[:self.layout.slot_bytes]
+        return _owning(pool, block, HostAdapter(lora_id, rank, slab, self.layout.ranks_view(slab), block))
 
     def max_slab_bytes(self) -> int:
         """The bytes of every adapter's slab: one slot's image (SlotLayout.slot_bytes)."""

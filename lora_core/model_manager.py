@@ -52,11 +52,13 @@ _log = logging.getLogger(__name__)
 class LoRAModelManager:
     def __init__(self, specs: list[LoRAModuleSpec], lora_config: LoRAConfig, device: torch.device | str,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, host_pool_blocks: int = 0,
-                 host_pool_max_bytes: int | None = None, stacked_a: dict[str, torch.Tensor] | None = None) -> None:
+                 host_pool_max_bytes: int | None = None, stacked_a: dict[str, torch.Tensor] | None = None,
+                 host_pool_shared: bool = False) -> None:
         """host_pool_blocks > 0: host-tier slabs come from a PinnedSlabPool of that many blocks, pinned
         here (on CUDA) so that serving never pins memory: max_cpu_loras plus the loads that can be in
         flight at once. 0: each adapter pins its own slab as it arrives. host_pool_max_bytes caps the
-        pool (fewer blocks; adapters past them pin their own slabs).
+        pool (fewer blocks; adapters past them pin their own slabs). host_pool_shared: the pool in shared
+        memory, for loader processes to write adapters into (pinned_pool.py).
         stacked_a: for every linear module, the device rows [max_loras, S, R_a, in] under its base weight
         that hold its A slots (lora_core/stacked_a.py); the arena then holds everything else."""
         self.config = lora_config
@@ -99,7 +101,7 @@ class LoRAModelManager:
                              "past them pin their own memory", blocks, host_pool_blocks,
                              blocks * self.layout.slot_bytes / 2**30, self.layout.slot_bytes / 2**20)
         if blocks > 0:
-            self.host_pool = PinnedSlabPool(self.layout.slot_bytes, blocks, self._pin_host)
+            self.host_pool = PinnedSlabPool(self.layout.slot_bytes, blocks, self._pin_host, shared=host_pool_shared)
         self._slots: list[int | None] = [None] * lora_config.max_loras
         self._active: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
         self._running: frozenset[int] = frozenset()

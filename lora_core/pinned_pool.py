@@ -11,15 +11,29 @@ after them), so an evicted adapter's in-flight copy never reads a new one's byte
 
 When every block is taken (more adapters alive than the pool was sized for), allocate() returns None
 and the caller pins a slab of its own, as before the pool: slower, never wrong.
+
+A shared pool (shared=True) lays its region in shared memory, so that a loader process
+(replicas/lora_load_process.py) can write an adapter straight into a block the serving process handed
+it. Otherwise each load went through a slab the worker put in shared memory for that adapter, whose
+fresh pages cost more than the load itself: on an H200 host a rank-16 load (84 MB) took 132 ms in a
+worker against 54 ms on a thread, rank 64 (336 MB) 504 against 122 (bench/adapter_load.py, RESULTS.md
+twelfth session). Where /dev/shm has no room for the region the pool stays private (``shared`` False)
+and the loader falls back to that path.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
 
 import torch
+
+_log = logging.getLogger(__name__)
+# Where torch's shared memory (file-descriptor strategy) lives on Linux; a region past its free space would
+# be killed by SIGBUS when first touched, so it is checked first.
+SHM_DIR = "/dev/shm"
 
 
 class PinnedBlock:
@@ -39,14 +53,19 @@ class PinnedBlock:
 
 
 class PinnedSlabPool:
-    def __init__(self, block_bytes: int, num_blocks: int, pin: bool) -> None:
+    def __init__(self, block_bytes: int, num_blocks: int, pin: bool, shared: bool = False) -> None:
         if block_bytes <= 0 or num_blocks <= 0:
             raise ValueError(f"a pool needs blocks of > 0 bytes and > 0 blocks, got {block_bytes} x {num_blocks}")
         self.block_bytes = -(-block_bytes // 64) * 64  # every block starts 64-byte aligned, as a slab does
         self.num_blocks = num_blocks
+        nbytes = self.block_bytes * num_blocks
+        self.shared = shared and _shm_room(nbytes)
+        if shared and not self.shared:
+            _log.warning("no room in %s for the %.1f GiB adapter host pool: loader processes hand adapters over "
+                         "through a slab of their own each (slower loads)", SHM_DIR, nbytes / 2**30)
         # Pageable memory registered with the driver, not torch's pinned allocator: that one rounds
         # every allocation up to a power of two (up to 2x the memory for one large region).
-        self._region = torch.empty(self.block_bytes * num_blocks, dtype=torch.uint8)
+        self._region = _shared_bytes(nbytes) if self.shared else torch.empty(nbytes, dtype=torch.uint8)
         if pin:
             _register(self._region)
             weakref.finalize(self, _unregister, self._region)
@@ -59,6 +78,11 @@ class PinnedSlabPool:
     @property
     def free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def region(self) -> torch.Tensor:
+        """Every block's bytes, block i at [i * block_bytes, (i + 1) * block_bytes): what a loader process maps."""
+        return self._region
 
     def allocate(self, nbytes: int) -> PinnedBlock | None:
         """A free block for nbytes (its tensor trimmed to them), or None when none is free or nbytes is
@@ -95,6 +119,20 @@ def physical_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _shm_room(nbytes: int) -> bool:
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize >= nbytes
+
+
+def _shared_bytes(nbytes: int) -> torch.Tensor:
+    # A new shared storage, not torch.empty(...).share_memory_(): that one copies the region into shared
+    # memory (a second pass over every page).
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
 
 def _register(region: torch.Tensor) -> None:

@@ -137,8 +137,11 @@ class SlotLayout:
         views = self.slot_views(slab.view(1, -1))
         regions = {name: (a[0, 0] if self.dims[name].is_embedding else a[:, 0], b[0], None if bias is None else bias[0])
                    for name, (a, b, bias) in views.items()}
-        ranks = slab[:4 * len(self.names) * self.max_slices].view(torch.int32).view(len(self.names), self.max_slices)
-        return ranks, regions
+        return self.ranks_view(slab), regions
+
+    def ranks_view(self, slab: torch.Tensor) -> torch.Tensor:
+        """slab: uint8 [slot_bytes], one slot's image -> its header, ranks [modules, max_slices] int32."""
+        return slab[:4 * len(self.names) * self.max_slices].view(torch.int32).view(len(self.names), self.max_slices)
 
     def _view(self, typed: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...], byte_offset: int
               ) -> torch.Tensor:

@@ -43,7 +43,8 @@ class AdapterLoads:
         # into pinned memory: one thread per process, or the processes past the second sit idle.
         self._num_threads = self.threads_for(processes)
         self.process_loader = (ProcessAdapterLoader(processes, manager.preparer, self.expected, lora_config,
-                                                    specs, adopt=manager.adopt_shared if pin else None)
+                                                    specs, adopt=manager.adopt_shared if pin else None,
+                                                    host_pool=manager.host_pool)
                                if processes > 0 else None)
 
     @staticmethod

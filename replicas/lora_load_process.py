@@ -12,6 +12,10 @@ steps 1.78x at the median, in a process 0.93x (no slowdown), at the same load
 rate; with the 8B engine, rows with many loads gained 11-26% tok/s
 (bench/RESULTS.md, fourth session).
 
+With a shared host pool (PinnedSlabPool(shared=True), the manager's when load processes are on) the
+serving process hands the worker a free block and the worker writes the adapter straight into it: no slab
+per adapter in shared memory (its fresh pages cost 2.5-4x the load itself) and no copy on this side.
+
 Worker processes are spawned, so a script that builds an engine with this on
 must guard its entry point with ``if __name__ == "__main__":`` (as for tensor
 parallelism); hence opt-in for LLM() users, and on in deploy/config.gpu.yaml
@@ -31,21 +35,35 @@ from lora_core.config import LoRAConfig
 from lora_core.host_adapter import AdapterPreparer, HostAdapter
 from lora_core.lora_model import LoRAModel
 from lora_core.module_spec import LoRAModuleSpec
+from lora_core.pinned_pool import PinnedSlabPool
 from lora_core.request import LoRARequest
 
 _worker: dict = {}  # this worker process's preparer and checks, set once by _init
 
 
-def _init(preparer: AdapterPreparer, expected: list[str], lora_config: LoRAConfig,
-          specs: list[LoRAModuleSpec]) -> None:
+def _init(preparer: AdapterPreparer, expected: list[str], lora_config: LoRAConfig, specs: list[LoRAModuleSpec],
+          region: torch.Tensor | None, block_bytes: int) -> None:
     torch.set_num_threads(1)
-    _worker.update(preparer=preparer, expected=expected, lora_config=lora_config, specs=specs)
+    _worker.update(preparer=preparer, expected=expected, lora_config=lora_config, specs=specs, region=region,
+                   block_bytes=block_bytes)
+
+
+def _read(request: LoRARequest) -> LoRAModel:
+    return LoRAModel.from_local_checkpoint(request.lora_path, _worker["expected"], lora_model_id=request.lora_int_id,
+                                           lora_config=_worker["lora_config"], module_specs=_worker["specs"])
 
 
 def _load(request: LoRARequest) -> tuple[int, HostAdapter]:
-    lora = LoRAModel.from_local_checkpoint(request.lora_path, _worker["expected"], lora_model_id=request.lora_int_id,
-                                           lora_config=_worker["lora_config"], module_specs=_worker["specs"])
+    lora = _read(request)
     return lora.rank, _worker["preparer"].prepare(lora, "shared")
+
+
+def _load_into(request: LoRARequest, block_index: int) -> int:
+    """Read the adapter and write it into block block_index of the shared pool; its rank."""
+    lora = _read(request)
+    start = block_index * _worker["block_bytes"]
+    _worker["preparer"].prepare(lora, out=_worker["region"][start:start + _worker["block_bytes"]])
+    return lora.rank
 
 
 def _ready() -> bool:
@@ -56,18 +74,40 @@ class ProcessAdapterLoader:
     """load(request) -> (rank, HostAdapter) from a pool of worker processes; typed errors cross intact."""
 
     def __init__(self, workers: int, preparer: AdapterPreparer, expected: list[str], lora_config: LoRAConfig,
-                 specs: list[LoRAModuleSpec], adopt: Callable[[HostAdapter], HostAdapter] | None) -> None:
+                 specs: list[LoRAModuleSpec], adopt: Callable[[HostAdapter], HostAdapter] | None,
+                 host_pool: PinnedSlabPool | None = None) -> None:
         """adopt: moves a worker's shared-memory adapter into this process's host memory (on CUDA
-        LoRAModelManager.adopt_shared, into pinned memory); None keeps it in shared memory."""
+        LoRAModelManager.adopt_shared, into pinned memory); None keeps it in shared memory.
+        host_pool: the manager's pool; where it is shared, adapters are written into its blocks (adopt is
+        then only for loads that find no free block)."""
+        self._host_pool = host_pool if host_pool is not None and host_pool.shared else None
+        region = self._host_pool.region if self._host_pool is not None else None
+        block_bytes = self._host_pool.block_bytes if self._host_pool is not None else 0
         self._pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init,
-                                         initargs=(preparer, expected, lora_config, specs))
+                                         initargs=(preparer, expected, lora_config, specs, region, block_bytes))
+        self._preparer = preparer
         self._adopt = adopt
         for _ in range(workers):  # start the workers now: importing torch there takes seconds
             self._pool.submit(_ready)
 
     def load(self, request: LoRARequest) -> tuple[int, HostAdapter]:
-        rank, shared = self._pool.submit(_load, request).result()
-        return rank, self._adopt(shared) if self._adopt is not None else shared
+        """(rank, the adapter in this process's host memory): in a block of the shared pool when one is free,
+        else through a shared slab of the worker's (adopted)."""
+        block = (self._host_pool.allocate(self._preparer.max_slab_bytes()) if self._host_pool is not None
+                 else None)
+        if block is None:
+            rank, shared = self.load_shared(request)
+            return rank, self._adopt(shared) if self._adopt is not None else shared
+        try:
+            rank = self._pool.submit(_load_into, request, block.index).result()
+        except BaseException:
+            self._host_pool.release(block)  # a bad adapter (or a lost worker) leaves the block free
+            raise
+        return rank, self._preparer.in_block(request.lora_int_id, rank, block, self._host_pool)
+
+    def load_shared(self, request: LoRARequest) -> tuple[int, HostAdapter]:
+        """The worker's half of load(): the adapter as the worker left it, in shared memory."""
+        return self._pool.submit(_load, request).result()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

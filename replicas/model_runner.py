@@ -127,7 +127,8 @@ class ModelRunner:
                                              self.ctx.tp_rank, self.ctx.tp_size,
                                              host_pool_blocks=blocks if cfg.lora_host_pool else 0,
                                              host_pool_max_bytes=host // 4 // self.ctx.tp_size if host else None,
-                                             stacked_a={name: s.a_rows for name, s in stacked.items()} or None)
+                                             stacked_a={name: s.a_rows for name, s in stacked.items()} or None,
+                                             host_pool_shared=cfg.lora_load_processes > 0)
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens,
                                     stacked_max_idle_slots=max_idle_slots(cfg.lora_config.max_lora_rank),

@@ -39,6 +39,41 @@ def test_blocks_are_handed_out_and_returned():
     assert c.index == a.index and pool.free_blocks == 0
 
 
+def test_a_shared_pool_lives_in_shared_memory_or_says_it_does_not(monkeypatch):
+    """shared=True puts the region in shared memory (loader processes write into its blocks); with no room
+    in /dev/shm the pool stays private and says so, so the loaders take their slower path."""
+    from lora_core import pinned_pool
+
+    pool = PinnedSlabPool(1000, 3, pin=False, shared=True)
+    assert pool.shared and pool.region.is_shared() and pool.region.numel() == 3 * 1024
+    block = pool.allocate(1000)
+    assert block.tensor.data_ptr() == pool.region.data_ptr() + block.index * pool.block_bytes
+    monkeypatch.setattr(pinned_pool, "_shm_room", lambda nbytes: False)
+    private = PinnedSlabPool(1000, 3, pin=False, shared=True)
+    assert not private.shared and not private.region.is_shared()
+    assert not PinnedSlabPool(1000, 3, pin=False).shared
+
+
+def test_a_slab_written_in_place_equals_a_prepared_one():
+    """prepare(out=block) (what a loader process does) lays out the same bytes as a prepared slab, over a block
+    that held another adapter; in_block() gives the adapter that owns the block."""
+    m = pooled_manager(blocks=3)
+    pool = PinnedSlabPool(m.preparer.max_slab_bytes(), 2, pin=False, shared=True)
+    block = pool.allocate(m.preparer.max_slab_bytes())
+    m.preparer.prepare(make_lora(7, MAX_RANK), out=block.tensor)  # a stale image first
+    lora = make_lora(1, 4)
+    written = m.preparer.prepare(lora, out=block.tensor)
+    adapter = m.preparer.in_block(1, lora.rank, block, pool)
+    want = m.prepare_adapter(lora)
+    assert torch.equal(written.slab, want.slab) and torch.equal(adapter.slab, want.slab)
+    assert torch.equal(adapter.ranks, want.ranks) and adapter.block is block and pool.free_blocks == 1
+    with pytest.raises(ValueError, match="uint8 slab"):
+        m.preparer.prepare(lora, out=block.tensor[:10])
+    del adapter, written
+    gc.collect()
+    assert pool.free_blocks == 2
+
+
 def test_every_slab_is_one_slot_image_that_fits_a_block():
     for bias in (False, True):
         m = pooled_manager(1, bias=bias)

@@ -217,6 +217,48 @@ def test_an_adapter_from_a_process_is_adopted_whole(demo, loras):
     assert int(adopted.ranks.max()) > 0  # a real header, not zeros
 
 
+def test_a_worker_writes_the_adapter_into_a_block_of_the_shared_pool(demo, loras, tmp_path, monkeypatch):
+    """With load processes the host pool is shared: a worker writes the adapter into a block the engine
+    handed it (no slab of its own, no copy here), byte for byte what this process would prepare. A bad
+    adapter gives its typed error and its block back; with no free block the load takes the slab path."""
+    import gc
+    import json
+    import shutil
+
+    from lora_core.errors import InvalidAdapterError
+
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu",
+              lora_load_processes=1)
+    try:
+        runner = llm.engine.executor.runner
+        loads, manager = runner.loads, runner.lora_manager
+        pool = manager.host_pool
+        assert pool.shared
+        free = pool.free_blocks
+        request = loras[sorted(loras)[1]]
+        rank, adapter = loads.process_loader.load(request)
+        want = manager.prepare_adapter(loads.load(request))
+        start = adapter.slab.data_ptr() - pool.region.data_ptr()
+        assert adapter.block is not None and start == adapter.block.index * pool.block_bytes
+        assert rank == want.rank and torch.equal(adapter.slab, want.slab) and torch.equal(adapter.ranks, want.ranks)
+        assert pool.free_blocks == free - 2  # this one and the one prepared here
+        bad = tmp_path / "bad"
+        shutil.copytree(request.lora_path, bad)
+        config = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps(config | {"r": config["r"] + 1}))  # not its tensors'
+        with pytest.raises(InvalidAdapterError, match="does not match r="):  # every tensor named at once
+            loads.process_loader.load(LoRARequest("bad", 77, str(bad)))
+        assert pool.free_blocks == free - 2
+        monkeypatch.setattr(pool, "allocate", lambda nbytes: None)  # every block taken
+        rank2, fallback = loads.process_loader.load(request)
+        assert fallback.block is None and torch.equal(fallback.slab, want.slab)
+        del adapter, want, fallback
+        gc.collect()
+        assert pool.free_blocks == free
+    finally:
+        llm.shutdown()
+
+
 def test_every_load_process_gets_a_load_in_flight(monkeypatch):
     """With N worker processes, N loads run at once: each holds a loader thread while it waits."""
     from types import SimpleNamespace
@@ -239,7 +281,8 @@ def test_every_load_process_gets_a_load_in_flight(monkeypatch):
             pass
 
     monkeypatch.setattr(adapter_loads, "ProcessAdapterLoader", FakeProcessLoader)
-    loads = adapter_loads.AdapterLoads(SimpleNamespace(preparer=None), LoRAConfig(max_loras=2), [], processes)
+    loads = adapter_loads.AdapterLoads(SimpleNamespace(preparer=None, host_pool=None), LoRAConfig(max_loras=2), [],
+                                       processes)
     try:
         for i in range(1, processes + 1):
             loads.start(LoRARequest(f"a{i}", i, f"/adapters/a{i}"))
