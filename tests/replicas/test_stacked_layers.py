@@ -86,7 +86,10 @@ def test_stacked_layers_equal_plain_ones(tiny_checkpoint, checkpoint, stacked_ma
     want = _logits(*plain, lora_ids)
     got = _logits(*stacked, lora_ids)
     assert (stacked[2].stacked_rows() is not None) == (len(lora_ids) <= stacked_max_tokens)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # float32 both ways, but one GEMM over [W; A] and the kernels after it sum in another order than the plain
+    # layers: in a fresh install of 2026-11-23 (torch 2.13.0 CPU, triton 3.9.0's interpreter, numpy 2.4.6) one
+    # logit of 1,573 differed by 1.7e-5, also at the previous session's commit (the adapters move them by > 1e-2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
     base = _logits(*plain, [0] * len(lora_ids))
     assert (want - base).abs().max() > 1e-2  # the adapters change the logits
 
