@@ -31,8 +31,8 @@ import weakref
 import torch
 
 _log = logging.getLogger(__name__)
-# Where torch's shared memory (file-descriptor strategy) lives on Linux; a region past its free space would
-# be killed by SIGBUS when first touched, so it is checked first.
+# Where torch's shared memory (file-descriptor strategy) lives on Linux. A region larger than its free space is
+# still created, but touching its pages past that space kills the process (SIGBUS): so the room is checked first.
 SHM_DIR = "/dev/shm"
 
 
