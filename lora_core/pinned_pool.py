@@ -69,6 +69,8 @@ class PinnedSlabPool:
         if pin:
             _register(self._region)
             weakref.finalize(self, _unregister, self._region)
+        elif self.shared:
+            self._region.zero_()  # take the shared pages now, while /dev/shm has the room (pinning does it too)
         self._blocks = [PinnedBlock(i, self._region[i * self.block_bytes:(i + 1) * self.block_bytes])
                         for i in range(num_blocks)]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
