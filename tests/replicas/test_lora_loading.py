@@ -175,15 +175,18 @@ def test_an_adapter_the_host_cache_dropped_reloads_in_the_background(demo, loras
 
 
 def test_loads_in_worker_processes_serve_the_same_and_fail_alike(demo, loras, tmp_path):
-    """EngineArgs.lora_load_processes: adapters prepared in a spawned process, handed over in shared memory."""
+    """EngineArgs.lora_load_processes: adapters prepared in a spawned process, written into the shared host
+    pool. On a GPU the pool is also pinned (registered with CUDA) and its blocks feed the slots' copies."""
     names = sorted(loras)
     lora_list = [loras[names[0]], None, loras[names[1]], loras[names[2]]]
     prompts = ["SELECT", "Hello", "Once upon a time", "The router"]
-    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu")
+    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32",
+                  device="cuda" if torch.cuda.is_available() else "cpu")
     want = [o.outputs[0].token_ids for o in LLM(str(demo.model_dir), **kwargs).generate(prompts, _greedy(), lora_list)]
     llm = LLM(str(demo.model_dir), lora_load_processes=1, **kwargs)
     try:
         runner = llm.engine.executor.runner
+        assert runner.lora_manager.host_pool.shared
         thread_loads = []
         runner.loads.load = lambda request: thread_loads.append(request) or pytest.fail("loaded on a thread")
         got = llm.generate(prompts, _greedy(), lora_list)
