@@ -49,8 +49,11 @@ def _init(preparer: AdapterPreparer, expected: list[str], lora_config: LoRAConfi
 
 
 def _read(request: LoRARequest) -> LoRAModel:
+    # copy=False: the tensors go into the slab at once and the LoRAModel is dropped, so the file's own
+    # tensors serve (one copy fewer per load).
     return LoRAModel.from_local_checkpoint(request.lora_path, _worker["expected"], lora_model_id=request.lora_int_id,
-                                           lora_config=_worker["lora_config"], module_specs=_worker["specs"])
+                                           lora_config=_worker["lora_config"], module_specs=_worker["specs"],
+                                           copy=False)
 
 
 def _load(request: LoRARequest) -> tuple[int, HostAdapter]:

@@ -140,6 +140,21 @@ def test_tensors_are_copies_and_cast(make_peft_adapter, expected_lora_modules):
     assert all(l.lora_a.dtype == torch.bfloat16 and l.lora_b.dtype == torch.bfloat16 for l in half.loras.values())
 
 
+def test_copy_false_aliases_the_given_tensors_and_means_the_same(make_peft_adapter, expected_lora_modules,
+                                                                 peft_deltas):
+    """copy=False (a loader process's read: laid out at once, then dropped) keeps the given tensors where
+    device and dtype match, casts where not, and the deltas are PEFT's all the same."""
+    path, peft_model = make_peft_adapter(**CASES["plain"])
+    tensors = load_file(path / "adapter_model.safetensors")
+    helper = PEFTHelper.from_local_dir(path)
+    model = LoRAModel.from_lora_tensors(tensors, helper, expected_lora_modules=expected_lora_modules, copy=False)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert model.get_lora("model.layers.0.self_attn.q_proj").lora_a.data_ptr() == tensors[key].data_ptr()
+    _assert_deltas_match(model, peft_model, peft_deltas)
+    half = LoRAModel.from_local_checkpoint(path, expected_lora_modules, dtype=torch.bfloat16, copy=False)
+    assert all(l.lora_a.dtype == torch.bfloat16 and l.lora_b.dtype == torch.bfloat16 for l in half.loras.values())
+
+
 def test_helper_passed_in_is_used(make_peft_adapter, expected_lora_modules):
     path, _ = make_peft_adapter(**CASES["plain"])
     helper = PEFTHelper.from_local_dir(path)
