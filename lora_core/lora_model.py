@@ -283,7 +283,8 @@ class LoRAModel:
         means "not assigned yet": ids are the caller's (LoRARequest) to give.
         copy=False keeps the file's tensors (no copy where device and dtype already
         match): for a caller that lays the adapter out at once and drops it, as a
-        loader process does (the copy was ~8 of 48 ms of a rank-16 8B load).
+        loader process does (on a 2-core machine the copy took ~8 of 48 ms of a
+        rank-16 8B load).
         Raises an InvalidAdapterError subclass naming the file and field at fault.
         """
         lora_dir = Path(lora_dir)
@@ -312,7 +313,7 @@ class LoRAModel:
         [dim, r]); we keep A^T [in, r] and B^T [r, out] so that
         x @ lora_a @ lora_b is the LoRA output. The input tensors are copied,
         never aliased (copy=False: aliased where device and dtype match);
-        lora_a / lora_b are transposed views of those copies (PEFT's layout,
+        lora_a / lora_b are transposed views of what is kept (PEFT's layout,
         which the slots use too). Every problem found is raised at once.
         """
         path = weights_path or (str(Path(lora_dir) / WEIGHTS_NAME) if lora_dir else "<tensors>")
