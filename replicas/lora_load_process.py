@@ -109,7 +109,7 @@ class ProcessAdapterLoader:
         return rank, self._preparer.in_block(request.lora_int_id, rank, block, self._host_pool)
 
     def load_shared(self, request: LoRARequest) -> tuple[int, HostAdapter]:
-        """The worker's half of load(): the adapter as the worker left it, in shared memory."""
+        """load()'s slab path, without the adoption: the adapter in a shared-memory slab the worker made for it."""
         return self._pool.submit(_load, request).result()
 
     def shutdown(self) -> None:
