@@ -94,7 +94,7 @@ def scenarios(ranks: list[int], variants: tuple[str, ...] = ()) -> dict[str, tup
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """"lp:lora_load_processes=2,max_loras=16" -> ("lp", {field: int value, ...})."""
+    """"lp:lora_load_processes=2,lora_compact_slots=False" -> ("lp", {field: int, bool or str value, ...})."""
     name, _, fields = text.partition(":")
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     overrides = {}
@@ -102,7 +102,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
         key, _, value = item.partition("=")
         if key not in known or not value:
             raise SystemExit(f"--variant {text!r}: {key!r} is not an EngineArgs field=value")
-        overrides[key] = int(value) if value.lstrip("-").isdigit() else value
+        bools = {"True": True, "False": False}
+        overrides[key] = int(value) if value.lstrip("-").isdigit() else bools.get(value, value)
     if not name or not overrides:
         raise SystemExit(f"--variant {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE]")
     return name, overrides

@@ -7,6 +7,7 @@ that matters) and prints how often a step's bound is every slot, and the activat
   lru              the manager's (least recently used evictable adapter)
   low-older-half   the lowest slot among the older half of the evictable adapters
   lowest           the lowest evictable slot
+  compact          LRU, and the manager's compact_slots: a batch's adapters moved below its adapter bound
 
     python bench/slot_bounds.py [--adapters 100] [--slots 32] [--concurrency 32] [--steps 4000]
 """
@@ -30,7 +31,7 @@ from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind  # noqa: E
 from lora_core.punica.metadata import adapter_bound  # noqa: E402
 
 MODULE = "model.layers.0.self_attn.o_proj"
-RULES = ("lru", "low-older-half", "lowest")
+RULES = ("lru", "low-older-half", "lowest", "compact")
 
 
 class _Manager(LoRAModelManager):
@@ -40,18 +41,18 @@ class _Manager(LoRAModelManager):
 
     def _gpu_evictable(self, exclude=None, running=None) -> list[int]:
         ids = super()._gpu_evictable(exclude, running)
-        if self.rule == "lru" or not ids:
+        if self.rule in ("lru", "compact") or not ids:
             return ids
         pool = ids[:max(1, len(ids) // 2)] if self.rule == "low-older-half" else ids
         first = min(pool, key=lambda i: self._active[i])
         return [first] + [i for i in ids if i != first]
 
 
-def run(rule: str, a: argparse.Namespace, seed: int) -> tuple[float, float, float, int]:
-    """(adapters per step, mean slot bound, share of steps bounded by every slot, activations)."""
+def run(rule: str, a: argparse.Namespace, seed: int) -> tuple[float, float, float, int, int]:
+    """(adapters per step, mean slot bound, share of steps bounded by every slot, activations, slot moves)."""
     spec = LoRAModuleSpec(MODULE, LoRAKind.LINEAR, 8, (8,), ("o_proj",), ShardKind.ROW)
     cfg = LoRAConfig(max_loras=a.slots, max_lora_rank=4, max_cpu_loras=a.adapters)
-    m = _Manager([spec], cfg, "cpu", torch.float32)
+    m = _Manager([spec], cfg, "cpu", torch.float32, compact_slots=rule == "compact")
     m.rule = rule
     for i in range(1, a.adapters + 1):
         m.add_adapter(LoRAModel(i, 4, {MODULE: LoRALayerWeights(module_name=MODULE, rank=4, lora_alpha=4.0,
@@ -74,7 +75,7 @@ def run(rule: str, a: argparse.Namespace, seed: int) -> tuple[float, float, floa
         counts.append(len(set(ids)))
         reqs = [(lora, n - 1) if n > 1 else new_request() for lora, n in reqs]
     n = len(bounds)
-    return sum(counts) / n, sum(bounds) / n, sum(b == a.slots for b in bounds) / n, loads
+    return sum(counts) / n, sum(bounds) / n, sum(b == a.slots for b in bounds) / n, loads, m.slot_moves
 
 
 def main() -> None:
@@ -85,11 +86,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--seeds", type=int, default=2)
     a = p.parse_args()
-    print(f"{'rule':16}{'seed':>5}{'adapters/step':>15}{'mean bound':>12}{'all slots':>11}{'activations':>13}")
+    print(f"{'rule':16}{'seed':>5}{'adapters/step':>15}{'mean bound':>12}{'all slots':>11}{'activations':>13}{'moves':>7}")
     for rule in RULES:
         for seed in range(a.seeds):
-            per_step, bound, full, loads = run(rule, a, seed)
-            print(f"{rule:16}{seed:>5}{per_step:>15.1f}{bound:>12.1f}{full:>11.0%}{loads:>13}")
+            per_step, bound, full, loads, moves = run(rule, a, seed)
+            print(f"{rule:16}{seed:>5}{per_step:>15.1f}{bound:>12.1f}{full:>11.0%}{loads:>13}{moves:>7}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,16 @@ mask their loads by it. Time is another matter: the
 kernels' rank tile is sized for max_lora_rank, so small decode batches of
 low-rank adapters in wide slots still run slower (bench/RESULTS.md measures it).
 
+Slot compaction (``compact_slots``): a step whose A rows are stacked under
+the base weights reads every slot below its highest one in use (stacked_a.py),
+so prepare_batch keeps a batch's n adapters in the slots below
+adapter_bound(n) (n rounded up to a power of four): one that sits higher
+moves down, by a device-to-device copy of its slot, into a free slot there or
+one made free by moving the least recently used evictable adapter there up
+(evicting, if no slot above is free, the one that LRU eviction would take). Without it, LRU eviction scatters a Zipf
+workload's ~12 adapters per step over all 32 slots in 95-97% of steps
+(bench/slot_bounds.py), and each step reads ~20 idle slots' A rows.
+
 Eviction never takes a pinned adapter nor one the running batch uses; every
 operation checks that it can succeed (adapter valid, enough slots freeable)
 before it changes anything, so a failure leaves slots and LRU order intact.
@@ -43,6 +53,7 @@ from lora_core.lora_model import LoRAModel
 from lora_core.mapping import LoRAMapping
 from lora_core.module_spec import LoRAModuleSpec
 from lora_core.pinned_pool import PinnedSlabPool
+from lora_core.punica.metadata import adapter_bound
 from lora_core.slot_buffers import LoRASlotBuffers
 from lora_core.stacked_a import check_stacked_a
 
@@ -53,14 +64,15 @@ class LoRAModelManager:
     def __init__(self, specs: list[LoRAModuleSpec], lora_config: LoRAConfig, device: torch.device | str,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, host_pool_blocks: int = 0,
                  host_pool_max_bytes: int | None = None, stacked_a: dict[str, torch.Tensor] | None = None,
-                 host_pool_shared: bool = False) -> None:
+                 host_pool_shared: bool = False, compact_slots: bool = False) -> None:
         """host_pool_blocks > 0: host-tier slabs come from a PinnedSlabPool of that many blocks, pinned
         here (on CUDA) so that serving never pins memory: max_cpu_loras plus the loads that can be in
         flight at once. 0: each adapter pins its own slab as it arrives. host_pool_max_bytes caps the
         pool (fewer blocks; adapters past them pin their own slabs). host_pool_shared: the pool in shared
         memory, for loader processes to write adapters into (pinned_pool.py).
         stacked_a: for every linear module, the device rows [max_loras, S, R_a, in] under its base weight
-        that hold its A slots (lora_core/stacked_a.py); the arena then holds everything else."""
+        that hold its A slots (lora_core/stacked_a.py); the arena then holds everything else.
+        compact_slots: prepare_batch keeps each batch's adapters in the lowest slots (module docstring)."""
         self.config = lora_config
         self.device = torch.device(device)
         self.dtype = lora_config.slot_dtype(dtype)
@@ -105,6 +117,8 @@ class LoRAModelManager:
         self._slots: list[int | None] = [None] * lora_config.max_loras
         self._active: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
         self._running: frozenset[int] = frozenset()
+        self.compact_slots = compact_slots
+        self.slot_moves = 0  # adapters moved down by compaction, for tests and benchmarks
         self._host: HostLRUCache[int, HostAdapter] = HostLRUCache(
             lora_config.max_cpu_loras, can_evict=lambda i: i not in self._running, on_evict=self._on_host_evict)
 
@@ -251,9 +265,61 @@ class LoRAModelManager:
             raise LoRACapacityError(f"the batch needs {len(missing)} more GPU slots but only {freeable} can be "
                                     "freed; the others hold pinned adapters")
         self._running = frozenset(ids)
+        if self.compact_slots:
+            self._place_low(ids, stream)
         for lora_id in ids:
             self.activate_adapter(lora_id, stream)
         return self.lora_index_to_id
+
+    def _place_low(self, ids: list[int], stream: "torch.cuda.Stream | None") -> None:
+        """Give each of the batch's adapters that is missing or sits at or above adapter_bound(len(ids)) a
+        slot below it (_low_slot). Those left over (pinned or running adapters hold every low slot) go
+        where activate_adapter puts them."""
+        bound = adapter_bound(len(ids), len(self._slots))
+        for lora_id in [i for i in ids if self._active.get(i, bound) >= bound]:
+            slot = self._low_slot(bound, stream)
+            if slot is None:
+                return
+            if lora_id in self._active:
+                self._move(lora_id, slot, stream)
+            else:
+                self._write(slot, self._host.peek(lora_id), stream)
+                self._slots[slot], self._active[lora_id] = lora_id, slot
+
+    def _low_slot(self, bound: int, stream: "torch.cuda.Stream | None") -> int | None:
+        """A free slot below ``bound``, or None. Made free if need be: the least recently used evictable
+        adapter there moves up, into a free slot above the bound, else into the slot of the least recently
+        used evictable adapter of all, which leaves the GPU as it would without compaction (if that is the
+        one below the bound, it leaves and nothing moves)."""
+        free = next((slot for slot in range(bound) if self._slots[slot] is None), None)
+        if free is not None:
+            return free
+        evictable = self._gpu_evictable()
+        low = next((i for i in evictable if self._active[i] < bound), None)
+        if low is None:
+            return None
+        above = next((slot for slot in range(bound, len(self._slots)) if self._slots[slot] is None), None)
+        if above is None:
+            if evictable[0] == low:
+                return self._release(low)
+            above = self._release(evictable[0])
+        slot = self._active[low]
+        self._move(low, above, stream)
+        return slot
+
+    def _move(self, lora_id: int, slot: int, stream: "torch.cuda.Stream | None") -> None:
+        """Copy a GPU adapter's slot (image, stacked A rows, ranks) into the free ``slot`` and free its old one,
+        in stream order: steps already queued read the old slot, later ones the new."""
+        old = self._active[lora_id]
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._arena[slot].copy_(self._arena[old], non_blocking=True)
+            for dst, src in (zip(self._stacked_dst[slot], self._stacked_dst[old]) if self._stacked_a else ()):
+                dst.copy_(src, non_blocking=True)
+            self._ranks[:, :, slot].copy_(self._ranks[:, :, old], non_blocking=True)
+            self._ranks[:, :, old] = 0
+        self._slots[old], self._slots[slot] = None, lora_id
+        self._active[lora_id] = slot
+        self.slot_moves += 1
 
     def _check_not_running(self, lora_id: int) -> None:
         if lora_id in self._running:

@@ -98,7 +98,8 @@ class LLMEngine:
                                   lora_load_processes=args.lora_load_processes,
                                   lora_host_pool=args.lora_host_pool, lora_merge_steps=args.lora_merge_steps,
                                   lora_stacked_max_tokens=args.lora_stacked_max_tokens,
-                                  lora_fused_max_adapters=args.lora_fused_max_adapters)
+                                  lora_fused_max_adapters=args.lora_fused_max_adapters,
+                                  lora_compact_slots=args.lora_compact_slots)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
         # GPU: compile the kernels, capture the decode and piecewise graphs
         self.num_cuda_graphs = self.executor.call("warm_up")

@@ -60,6 +60,10 @@ class EngineArgs:
     # slots). None: the device's measured bound (16 on an H100, 4 elsewhere: lora_layers.FUSED_MAX_ADAPTERS)
     # where the stacked path is on and max_lora_rank is 16, else 0 (off).
     lora_fused_max_adapters: int | None = None
+    # Keep each step's adapters in the lowest GPU slots, moving one down (a device-to-device copy) when it sits
+    # above what their count needs, so stacked steps read no idle slots' A rows (lora_core/model_manager.py).
+    # Only stacked steps gain, so it is on only where the stacked path is.
+    lora_compact_slots: bool = True
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:

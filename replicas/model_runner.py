@@ -78,6 +78,7 @@ class RunnerConfig:
     # steps of up to this many token rows shrink in the base GEMMs (lora_core/stacked_a.py); None: 256 on CUDA
     lora_stacked_max_tokens: int | None = None
     lora_fused_max_adapters: int | None = None  # one launch per LoRA site for small steps; None: by device
+    lora_compact_slots: bool = True  # each step's adapters in the lowest slots, with the stacked path
 
 
 class ModelRunner:
@@ -128,7 +129,8 @@ class ModelRunner:
                                              host_pool_blocks=blocks if cfg.lora_host_pool else 0,
                                              host_pool_max_bytes=host // 4 // self.ctx.tp_size if host else None,
                                              stacked_a={name: s.a_rows for name, s in stacked.items()} or None,
-                                             host_pool_shared=cfg.lora_load_processes > 0)
+                                             host_pool_shared=cfg.lora_load_processes > 0,
+                                             compact_slots=bool(stacked) and cfg.lora_compact_slots)
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens,
                                     stacked_max_idle_slots=max_idle_slots(cfg.lora_config.max_lora_rank),
@@ -197,9 +199,8 @@ class ModelRunner:
         self.loads.start(request)
 
     def close(self) -> None:
-        """Stop the adapter loaders (threads and worker processes; loads in flight are dropped) and free
-        the decode graphs: with tensor parallelism they hold NCCL collectives, so they must go before
-        the process group does."""
+        """Stop the adapter loaders (threads and worker processes; loads in flight are dropped) and free the
+        decode graphs: with tensor parallelism they hold NCCL collectives, so they go before the process group."""
         for graphs in (self.decode_graphs, self.piecewise):
             if graphs is not None:
                 graphs.release()
@@ -351,6 +352,8 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         self._ensure_registered(mapping.active_ids())
         self.punica.update_metadata(mapping, self.lora_manager.prepare_batch(mapping))
+        if self._side_stream is not None:  # a prefetch into a slot that compaction moved from waits for the copy
+            self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @torch.inference_mode()
     def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:

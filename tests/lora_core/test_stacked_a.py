@@ -32,7 +32,8 @@ DTYPES = (torch.bfloat16, torch.float16) if ON_GPU else (torch.float32, torch.fl
 LINEAR = [s for s in SPECS if s.kind is LoRAKind.LINEAR]
 
 
-def stacked_manager(max_loras: int = 3, bias: bool = False) -> tuple[LoRAModelManager, dict[str, torch.Tensor]]:
+def stacked_manager(max_loras: int = 3, bias: bool = False, compact_slots: bool = False
+                    ) -> tuple[LoRAModelManager, dict[str, torch.Tensor]]:
     """A manager whose linear modules' A slots live under random base weights; returns it and those weights."""
     g = torch.Generator().manual_seed(0)
     weights, rows = {}, {}
@@ -41,7 +42,7 @@ def stacked_manager(max_loras: int = 3, bias: bool = False) -> tuple[LoRAModelMa
         weights[spec.name] = stack_weight(base, max_loras, len(spec.out_slices), MAX_RANK)
         rows[spec.name] = a_rows(weights[spec.name], base.shape[0], max_loras, len(spec.out_slices), MAX_RANK)
     cfg = LoRAConfig(max_loras=max_loras, max_lora_rank=MAX_RANK, bias_enabled=bias)
-    return LoRAModelManager(SPECS, cfg, "cpu", torch.float32, stacked_a=rows), weights
+    return LoRAModelManager(SPECS, cfg, "cpu", torch.float32, stacked_a=rows, compact_slots=compact_slots), weights
 
 
 def test_activation_writes_the_a_rows_under_the_base_weight_and_leaves_it():
