@@ -30,7 +30,7 @@ from replicas.lora_layers import (ColumnParallelLinearWithLoRA, RowParallelLinea
                                   lora_module_specs, stack_lora_weights, stacked_max_tokens)
 from replicas.lora_merge import LoRAMerger
 from replicas.model_config import ModelConfig
-from replicas.models import load_model, model_class
+from replicas.models import dummy_model, load_model
 from replicas.parallel import ParallelContext
 from replicas.piecewise_graphs import PiecewiseGraphs
 from replicas.warm_up import warm_up
@@ -93,7 +93,7 @@ class ModelRunner:
 
             backend = triton_attention
         if cfg.load_format == "dummy":
-            self.model = self._dummy_model(backend)
+            self.model = dummy_model(self.model_config, self.ctx, self.device, backend)
         else:
             self.model = load_model(cfg.model, self.model_config, self.ctx, self.device, attn_backend=backend)
         mc = self.model_config
@@ -167,19 +167,6 @@ class ModelRunner:
             raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes "
                              "(plus one for padding)")
         return int(blocks) - 1  # the padding block
-
-    def _dummy_model(self, backend):
-        """Random weights (std 0.02, norms 1) drawn on the device; same on every run."""
-        config = self.model_config
-        with torch.device(self.device):
-            model = model_class(config)(config, self.ctx, backend)
-        gen = torch.Generator(device=self.device).manual_seed(1234 + self.ctx.tp_rank)
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.data.fill_(1.0)
-            else:
-                param.data.normal_(0.0, 0.02, generator=gen)
-        return model.eval()
 
     # ---- adapters -------------------------------------------------------------------------
 
@@ -351,8 +338,11 @@ class ModelRunner:
         if self._side_stream is not None:  # prefetched slots must be written before this step reads them
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         self._ensure_registered(mapping.active_ids())
+        moves = self.lora_manager.slot_moves
         self.punica.update_metadata(mapping, self.lora_manager.prepare_batch(mapping))
-        if self._side_stream is not None:  # a prefetch into a slot that compaction moved from waits for the copy
+        if self._side_stream is not None and self.lora_manager.slot_moves > moves:
+            # slot compaction moved an adapter: no prefetch may write its old slot before the copy has read it
+            # (only then: a side stream that waits for this stream waits for the step before too)
             self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @torch.inference_mode()

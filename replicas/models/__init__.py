@@ -31,4 +31,19 @@ def load_model(path: str | Path, config: ModelConfig | None = None, ctx: Paralle
     return model.eval()
 
 
-__all__ = ["LlamaForCausalLM", "MODEL_REGISTRY", "load_model", "model_class"]
+def dummy_model(config: ModelConfig, ctx: ParallelContext, device: torch.device,
+                attn_backend: AttentionBackend | None = None) -> LlamaForCausalLM:
+    """The model with random weights (std 0.02, norms 1) drawn on the device, the same on every run
+    (load_format="dummy": benchmarks of model shapes with no checkpoint)."""
+    with torch.device(device):
+        model = model_class(config)(config, ctx, attn_backend)
+    gen = torch.Generator(device=device).manual_seed(1234 + ctx.tp_rank)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+__all__ = ["LlamaForCausalLM", "MODEL_REGISTRY", "dummy_model", "load_model", "model_class"]

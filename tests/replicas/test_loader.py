@@ -33,6 +33,20 @@ def test_model_loads_from_a_sharded_checkpoint(sharded_checkpoint, tiny_checkpoi
         assert torch.equal(param, expected[name]), name
 
 
+def test_dummy_weights_are_random_and_the_same_every_run(tiny_checkpoint):
+    from replicas.models import dummy_model
+    from replicas.parallel import ParallelContext
+
+    config = ModelConfig.from_pretrained(tiny_checkpoint("llama3_tied"))
+    a, b = (dummy_model(config, ParallelContext(), torch.device("cpu")) for _ in range(2))
+    for (name, param), other in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(param, other), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(param, torch.ones_like(param)), name
+        elif param.numel() > 1000:
+            assert 0.015 < param.std().item() < 0.025 and abs(param.mean().item()) < 0.005, name
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
