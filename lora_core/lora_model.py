@@ -133,11 +133,12 @@ def _group_by_module(tensors: Mapping[str, torch.Tensor], path: str
     return modules, problems
 
 
-# Exponent bits all set = Inf or NaN. Validation reads every weight of every load, and on
-# CPU numpy's integer test of those bits runs ~100x faster than torch.isfinite on bf16
-# (an 8B-shaped rank-16 adapter: 6 s -> 0.05 s on the 2-core CI machine).
-_EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
-                  torch.float32: (torch.int32, 0x7F800000)}
+# Exponent bits all set = Inf or NaN: with the sign bit cleared, the bits read as an integer of at least
+# the exponent mask. Validation reads every weight of every load, and on CPU numpy's integer test runs
+# ~100x faster than torch.isfinite on bf16 (an 8B-shaped rank-16 adapter: 6 s -> 0.05 s on the 2-core CI
+# machine); one max over the masked bits instead of a compare and an any: 16.7 -> 12.0 ms there.
+_EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+                  torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -145,9 +146,11 @@ def all_finite(t: torch.Tensor) -> bool:
     spec = _EXPONENT_BITS.get(t.dtype)
     if spec is None or t.device.type != "cpu":
         return bool(torch.isfinite(t).all())
-    as_int, mask = spec
+    if not t.numel():
+        return True
+    as_int, magnitude, exponent = spec
     bits = t.contiguous().view(as_int).numpy()
-    return not bool(((bits & mask) == mask).any())
+    return int((bits & magnitude).max()) < exponent
 
 
 def _check_module(name: str, mt: _ModuleTensors, helper: PEFTHelper, path: str,

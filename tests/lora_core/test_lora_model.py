@@ -160,3 +160,19 @@ def test_helper_passed_in_is_used(make_peft_adapter, expected_lora_modules):
     helper = PEFTHelper.from_local_dir(path)
     model = LoRAModel.from_local_checkpoint(path, expected_lora_modules, helper)
     assert model.peft_helper is helper
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_reads_the_exponent_bits(dtype):
+    """The CPU bit test agrees with torch.isfinite at the edges: the largest finite magnitudes of either sign,
+    subnormals, signed zeros, NaN and both infinities, in contiguous, strided and empty tensors."""
+    from lora_core.lora_model import all_finite
+
+    info = torch.finfo(dtype)
+    edges = torch.tensor([info.max, -info.max, info.tiny / 2, -info.tiny / 2, 0.0, -0.0, 1.0], dtype=dtype)
+    assert all_finite(edges) and all_finite(edges[::2]) and all_finite(edges[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(8, 16).to(dtype)
+        t[5, 3] = bad
+        assert not all_finite(t) and not all_finite(t.t()), bad
+        assert all_finite(t[:5]) and bool(torch.isfinite(t[:5]).all())
