@@ -27,7 +27,9 @@ adapters in those steps; loads = adapter loads from disk. Physics: base's
 bound = weights + KV read per decode step, extra = its decode step; LoRA rows'
 bound = #ad x bytes per adapter, extra = decode step minus base's; both over
 the device-to-device copy bandwidth measured in this run (read + write
-bytes). x bnd = extra / bound. Prints rows as they finish, a table last, then
+bytes). x bnd = extra / bound; ceil = base's dec ms / (that + bound), the
+highest x dec that the adapter bytes alone allow (a LoRA row's target above
+it is out of reach at that batch size). Prints rows as they finish, a table last, then
 where each row's wall time went (lines starting "time") and which Triton kernel
 variants compiled while a row ran (bench/triton_compiles.py; those that the
 engine's warm-up leaves to serving mostly compile in the bench's warm requests
@@ -74,9 +76,10 @@ COLUMNS = [("scenario", "{:16}", "s"), ("rank", "{:>3}", "d"), ("registered", "{
            ("tpot_p50_ms", "{:>7}", ".2f"), ("tpot_p99_ms", "{:>7}", ".2f"), ("x_base", "{:>6}", ".3f"),
            ("decode_ms", "{:>7}", ".2f"), ("x_decode", "{:>6}", ".3f"), ("adapters", "{:>5}", ".1f"),
            ("loads", "{:>5}", "d"),
-           ("extra_ms", "{:>7}", ".2f"), ("bound_ms", "{:>7}", ".2f"), ("x_bound", "{:>6}", ".2f")]
+           ("extra_ms", "{:>7}", ".2f"), ("bound_ms", "{:>7}", ".2f"), ("x_bound", "{:>6}", ".2f"),
+           ("x_decode_ceiling", "{:>6}", ".3f")]
 HEADS = ["scenario", "r", "#reg", "tok/s", "ttft50", "ttft99", "tpot50", "tpot99", "x base", "dec ms", "x dec", "#ad",
-         "loads", "extra", "bound", "x bnd"]
+         "loads", "extra", "bound", "x bnd", "ceil"]
 
 
 def scenarios(ranks: list[int], variants: tuple[str, ...] = ()) -> dict[str, tuple[str, int, int, str]]:
@@ -117,8 +120,11 @@ def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: i
         read = row["adapters"] * adapter_bytes(shape, row["rank"], esize)
         extra = row["decode_ms"] - base["decode_ms"]
     bound = 1e3 * read / tp / bw  # each of tp ranks reads about 1/tp of the bytes at its own bandwidth
-    return dict(row, x_base=row["tok_s"] / base["tok_s"], x_decode=base["decode_ms"] / row["decode_ms"], extra_ms=extra,
-                bound_ms=bound, x_bound=extra / bound)
+    physics = dict(x_base=row["tok_s"] / base["tok_s"], x_decode=base["decode_ms"] / row["decode_ms"], extra_ms=extra,
+                   bound_ms=bound, x_bound=extra / bound)
+    if row["rank"]:
+        physics["x_decode_ceiling"] = base["decode_ms"] / (base["decode_ms"] + bound)
+    return dict(row, **physics)
 
 
 def fmt(row: dict) -> str:
