@@ -16,6 +16,7 @@ Prints a table with ratios and writes CSV to $OUT (or bench/out).
     python bench/kernels.py --deal 0,0,0 --deal 256,512,256   # SGMV dealing settings side by side
     python bench/kernels.py --bgmv-tile 0 8192 16384 --tokens 1 16   # BGMV shrink tiles side by side
     python bench/kernels.py --bgmv-splits 64 32 16 --tokens 1 16     # BGMV shrink split limits side by side
+    python bench/kernels.py --bgmv-rows-per-adapter 2 16 --tokens 4 8 16 32 --pops identical uniform   # BGMV or SGMV
 """
 
 from __future__ import annotations
@@ -155,25 +156,31 @@ def sweep_dealing(args, dtype, bw: float, floor_us: float) -> None:
     sweep_settings(args, dtype, bw, floor_us, deals, lambda d: "/".join(map(str, d)), apply)
 
 
-# --flag: (the triton_ops knob it sweeps side by side, its help). Each knob is a host-side plan setting of the
-# BGMV shrink, so a sweep swaps it between cases of one process.
+# --flag: (the module and knob it sweeps side by side, its help). Each knob is a host-side plan setting of the
+# punica launches, so a sweep swaps it between cases of one process.
 BGMV_SWEEPS = {
-    "bgmv_tile": ("BGMV_SHRINK_TILE", "BGMV shrink tile limits (0: one K step of the rank's default width)"),
-    "bgmv_splits": ("BGMV_MAX_SPLITS", "BGMV shrink split limits (fewer: longer shrink programs, fewer partials)"),
-    "bgmv_partials": ("BGMV_SPLIT_PARTIALS", "BGMV split partials per row, rank x splits (0: no cap)"),
-    "bgmv_min_programs": ("BGMV_MIN_PROGRAMS", "programs a capped BGMV shrink keeps, up to one K step each"),
+    "bgmv_tile": ("triton_ops", "BGMV_SHRINK_TILE",
+                  "BGMV shrink tile limits (0: one K step of the rank's default width)"),
+    "bgmv_splits": ("triton_ops", "BGMV_MAX_SPLITS",
+                    "BGMV shrink split limits (fewer: longer shrink programs, fewer partials)"),
+    "bgmv_partials": ("triton_ops", "BGMV_SPLIT_PARTIALS", "BGMV split partials per row, rank x splits (0: no cap)"),
+    "bgmv_min_programs": ("triton_ops", "BGMV_MIN_PROGRAMS",
+                          "programs a capped BGMV shrink keeps, up to one K step each"),
+    "bgmv_rows_per_adapter": ("metadata", "BGMV_ROWS_PER_ADAPTER",
+                              "rows per adapter up to which steps of <= 32 rows run BGMV instead of SGMV"),
 }
 
 
 def sweep_bgmv(args, dtype, bw: float, floor_us: float) -> bool:
     """The first --bgmv-* flag given, side by side; False when none was."""
-    from lora_core.punica import triton_ops
+    import importlib
 
-    for flag, (knob, _) in BGMV_SWEEPS.items():
+    for flag, (module, knob, _) in BGMV_SWEEPS.items():
         if getattr(args, flag):
-            print(f"one-kernel graph floor {floor_us:.2f} us; triton_ops.{knob}")
+            where = importlib.import_module(f"lora_core.punica.{module}")
+            print(f"one-kernel graph floor {floor_us:.2f} us; {module}.{knob}")
             sweep_settings(args, dtype, bw, floor_us, getattr(args, flag), str,
-                           lambda value, knob=knob: setattr(triton_ops, knob, value))
+                           lambda value, where=where, knob=knob: setattr(where, knob, value))
             return True
     return False
 
@@ -184,9 +191,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--deal", action="append", default=[], metavar="SHRINK,EXPAND,SPLIT_ROWS",
                         help="sweep the SGMV dealing settings of triton_ops instead (repeat; 0,0,0 = off)")
-    for flag, (knob, text) in BGMV_SWEEPS.items():
+    for flag, (module, knob, text) in BGMV_SWEEPS.items():
         parser.add_argument("--" + flag.replace("_", "-"), type=int, nargs="+", default=[],
-                            help=f"{text}, side by side (triton_ops.{knob})")
+                            help=f"{text}, side by side ({module}.{knob})")
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 256], help="with --deal, --bgmv-*")
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="with --deal, --bgmv-*")
     parser.add_argument("--pops", nargs="+", default=list(POPULARITY), help="with --deal, --bgmv-*")

@@ -50,6 +50,11 @@ def choose_block_m(num_tokens: int, num_adapters: int = 1) -> int:
     return 32 if num_tokens <= 1024 else 64
 
 
+# Steps of up to bgmv_max_rows rows run BGMV (one token per program) while they hold at most this many rows per
+# adapter on average, SGMV tiles otherwise (bench/kernels.py --bgmv-rows-per-adapter sweeps it).
+BGMV_ROWS_PER_ADAPTER = 2
+
+
 def adapter_bound(num_adapters: int, num_slots: int) -> int:
     """The adapters a step's grid is sized for: its own count (known on the host) rounded up to a power
     of four, so that three CUDA graphs per row count cover 1-16 adapters. Sizing grids for every slot
@@ -126,7 +131,7 @@ class PunicaMetadata:
         """
         block_m = choose_block_m(num_rows, num_adapters)
         # BGMV (one token per program) wins while adapters are barely shared.
-        use_bgmv = num_rows <= self.bgmv_max_rows and num_rows <= 2 * max(1, num_adapters)
+        use_bgmv = num_rows <= self.bgmv_max_rows and num_rows <= BGMV_ROWS_PER_ADAPTER * max(1, num_adapters)
         return block_m, use_bgmv, max_tiles(num_rows, adapter_bound(num_adapters, self.num_slots), block_m)
 
     def launch_key(self, num_rows: int, num_adapters: int) -> tuple:

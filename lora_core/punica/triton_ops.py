@@ -79,6 +79,23 @@ def use_bgmv(meta: PunicaMetadata) -> bool:
     return meta.use_bgmv
 
 
+# Small steps that plan SGMV (rows sharing adapters) still run a site as BGMV when its inputs outnumber its outputs
+# this many times at rank <= 16 (down_proj: 14,336 -> 4,096): BGMV splits the long K over many programs per row,
+# and re-reading a rank-16 B of 4,096 outputs per row costs less than SGMV's tiles. H200, down_proj rank 16,
+# shrink + expand: 4 / 8 / 16 rows of one adapter 13.5 / 13.3 / 14.0 -> 10.5 / 10.9 / 11.8 us, 16 rows over 4
+# adapters 14.0 -> 12.1; qkv and gate_up (more outputs than inputs) and rank 64 lose with BGMV (bench/kernels.py
+# --bgmv-rows-per-adapter, RESULTS.md thirteenth session). 0: off.
+BGMV_SITE_K_OVER_N = 2
+
+
+def use_bgmv_site(meta: PunicaMetadata, hidden: int, outputs: int, rank: int) -> bool:
+    """use_bgmv for one site of hidden inputs and outputs outputs (all slices) in slots of this rank."""
+    if meta.use_bgmv:
+        return True
+    return (bool(BGMV_SITE_K_OVER_N) and meta.num_rows <= meta.bgmv_max_rows and _block_r(rank) <= 16
+            and hidden >= BGMV_SITE_K_OVER_N * outputs)
+
+
 # A stacked step's expand runs one program per row (BGMV) while rows x outputs x rank stays under this, even
 # when rows share adapters: with no shrink left to share A reads, SGMV's tile-metadata chain costs more than
 # re-reading B from L2 (H200, 16 rows of one rank-16 adapter: o 5.4 -> 2.8 us, down 7.1 -> 4.8) until B's
@@ -104,14 +121,15 @@ def _k_steps(hidden: int, split_k: int, block_k: int) -> int:
     return -(-(-(-hidden // split_k)) // block_k)
 
 
-def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int) -> tuple[int, int, int]:
+def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int,
+                  bgmv: bool | None = None) -> tuple[int, int, int]:
     """(BLOCK_K, grid splits, split cap) for a shrink: split H so decode launches fill the GPU.
 
     BGMV splits exactly grid-splits ways. SGMV launches max_tiles x grid-splits
     programs per slice and deals them out over the real tiles on the device, up
-    to split-cap splits each: the partials buffer's first axis.
+    to split-cap splits each: the partials buffer's first axis. bgmv: the path (None: use_bgmv(meta)).
     """
-    if use_bgmv(meta):
+    if use_bgmv(meta) if bgmv is None else bgmv:
         block_k = max(16, 4096 // _block_r(rank))
         k_blocks = _pow2_floor(max(1, hidden // block_k))
         wanted = -(-_TARGET_PROGRAMS // (meta.num_rows * num_slices))
@@ -163,17 +181,18 @@ def stacked_expand_config(rank: int) -> tuple[int, int]:
 
 def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor,
            meta: PunicaMetadata, scale: float, accumulate: bool, split_k: int, block_k: int,
-           use_pdl: bool = False) -> None:
+           use_pdl: bool = False, bgmv: bool | None = None) -> None:
     """out [cap, S, T, R] fp32 (+)= scale * x [T, H] @ lora_a [S, L, R, H]^T (partials per K split).
 
     split_k: the grid's splits (shrink_config); SGMV uses up to out.shape[0] splits per real tile.
     use_pdl: launched under the kernel before it (programmatic dependent launch), reading its
     metadata and first A tile while that kernel finishes, and triggering the expand after it.
+    bgmv: the path, as shrink_config planned it (None: use_bgmv(meta)).
     """
     num_slices, _, rank, hidden = lora_a.shape
     if meta.num_rows == 0:
         return
-    if use_bgmv(meta) and not accumulate:
+    if (use_bgmv(meta) if bgmv is None else bgmv) and not accumulate:
         bgmv_shrink_kernel[(meta.num_rows, split_k, num_slices)](
             x, lora_a, out, ranks, meta.slots,
             hidden, float(scale), split_k,

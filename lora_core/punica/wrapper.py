@@ -263,13 +263,14 @@ class PunicaWrapper:
             return
         if meta.num_rows == 0:
             return
-        block_k, split_k, split_cap = self._triton.shrink_config(meta, x.shape[1], num_slices, rank)
+        bgmv = self._triton.use_bgmv_site(meta, x.shape[1], sum(output_slices), rank)
+        block_k, split_k, split_cap = self._triton.shrink_config(meta, x.shape[1], num_slices, rank, bgmv)
         buf = self._buffer((split_cap, num_slices, meta.num_rows, rank))
         self._triton.shrink(buf, x, lora_a_stacked, ranks, meta, scale,
-                            accumulate=False, split_k=split_k, block_k=block_k, use_pdl=self.use_pdl)
+                            accumulate=False, split_k=split_k, block_k=block_k, use_pdl=self.use_pdl, bgmv=bgmv)
         self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
                             meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
-                            shrink_splits=split_k)
+                            shrink_splits=split_k, bgmv=bgmv)
 
     def add_expand_stacked(self, y: torch.Tensor, shrunk: torch.Tensor, lora_b_stacked: torch.Tensor,
                            output_slices: tuple[int, ...], ranks: torch.Tensor,
