@@ -131,18 +131,24 @@ def test_shrink_in_the_base_gemm_matches_hf_peft(demo, batch, hf_reference, max_
     _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
 
 
-def test_adapters_moved_between_slots_match_hf_peft(demo, batch, hf_reference):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapters_moved_between_slots_match_hf_peft(demo, batch, hf_reference, tp):
     """Slot compaction (lora_core/model_manager.py): one request at a time, each adapter is moved into slot 0
-    for its steps (the one before moves up to make room), twice round: a moved slot serves the same tokens."""
-    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=4, max_lora_rank=32, max_cpu_loras=4,
-              dtype="float32", lora_stacked_max_tokens=256)
-    manager = llm.engine.executor.runner.lora_manager
-    for _ in range(2):
-        for prompt, lora, reference in zip(*batch, hf_reference):
-            _check_against_hf(llm.generate([prompt], _greedy(), [lora]), [reference])
-            if lora is not None:
-                assert manager.slot_of(lora.lora_int_id) == 0
-    assert manager.slot_moves >= 2 * (len(batch[1]) - 2) - 1
+    for its steps (the one before moves up to make room), twice round: a moved slot serves the same tokens.
+    With TP=2 every rank moves its own shards alike (NCCL on two GPUs where there are two, else gloo)."""
+    device = None if tp == 1 else "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    llm = LLM(str(demo.model_dir), tensor_parallel_size=tp, enable_lora=True, max_loras=4, max_lora_rank=32,
+              max_cpu_loras=4, dtype="float32", lora_stacked_max_tokens=256, device=device)
+    try:
+        manager = llm.engine.executor.runner.lora_manager  # rank 0's
+        for _ in range(2):
+            for prompt, lora, reference in zip(*batch, hf_reference):
+                _check_against_hf(llm.generate([prompt], _greedy(), [lora]), [reference])
+                if lora is not None:
+                    assert manager.slot_of(lora.lora_int_id) == 0
+        assert manager.slot_moves >= 2 * (len(batch[1]) - 2) - 1
+    finally:
+        llm.shutdown()
 
 
 def test_stacked_rows_default_to_cuda_steps_of_up_to_256_rows():
