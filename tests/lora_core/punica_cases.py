@@ -48,3 +48,17 @@ def stacked_weights(num_slots: int, max_rank: int, hidden: int, output_slices: t
         a[:, slot, r:] = 0
         b[slot, :, r:] = 0
     return a.to(device, dtype), b.to(device, dtype), rank_table.to(device)
+
+
+def lora_linear_both(mapping, ids: list[int], x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y0: torch.Tensor,
+                     slices: tuple[int, ...], ranks: torch.Tensor, scale: float = 0.5, max_tokens: int = 16):
+    """add_lora_linear of the same step through the torch reference (float32) and the Triton backend:
+    (want [float32], got [y0's dtype], the Triton wrapper, for its metadata)."""
+    from lora_core.punica import PunicaWrapper
+
+    want, got = y0.float().clone(), y0.clone()
+    wrappers = [PunicaWrapper(max_tokens, len(ids), x.device, backend=backend) for backend in ("torch", "triton")]
+    for w, out, args in zip(wrappers, (want, got), ((x.float(), a.float(), b.float()), (x, a, b))):
+        w.update_metadata(mapping, ids)
+        w.add_lora_linear(out, *args, None, scale, slices, ranks)
+    return want, got, wrappers[1]

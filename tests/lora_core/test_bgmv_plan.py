@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lora_core.mapping import LoRAMapping
-from lora_core.punica import PunicaWrapper, triton_ops
+from lora_core.punica import triton_ops
 from lora_core.punica.metadata import PunicaMetadata
-from tests.lora_core.punica_cases import stacked_weights, token_slots
+from tests.lora_core.punica_cases import lora_linear_both, stacked_weights, token_slots
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -91,11 +91,7 @@ def test_a_shared_step_runs_a_long_input_site_as_bgmv_and_equals_the_reference(p
     mapping = LoRAMapping([0 if s < 0 else ids[s] for s in slots], [0], False)
     x = torch.randn(8, hidden, generator=g).to(DEVICE, dtype)
     y0 = torch.randn(8, sum(slices), generator=g).to(DEVICE, dtype)
-    want, got = y0.float().clone(), y0.clone()
-    for w, out, args in ((PunicaWrapper(16, 4, DEVICE, backend="torch"), want, (x.float(), a.float(), b.float())),
-                         (PunicaWrapper(16, 4, DEVICE, backend="triton"), got, (x, a, b))):
-        w.update_metadata(mapping, ids)
-        w.add_lora_linear(out, *args, None, 0.5, slices, ranks)
+    want, got, w = lora_linear_both(mapping, ids, x, a, b, y0, slices, ranks)
     assert not w.token_meta.use_bgmv and triton_ops.use_bgmv_site(w.token_meta, hidden, sum(slices), 16)
     err = (got.float() - want).abs().max() / want.abs().max()
     assert err < (1e-4 if dtype == torch.float32 else 2e-2), err

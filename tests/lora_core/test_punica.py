@@ -13,7 +13,7 @@ from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.punica import PunicaWrapper
 from lora_core.punica.metadata import adapter_bound, max_tiles
-from tests.lora_core.punica_cases import POPULARITY, stacked_weights, token_slots
+from tests.lora_core.punica_cases import POPULARITY, lora_linear_both, stacked_weights, token_slots
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -275,12 +275,8 @@ def test_decode_lora_over_llama_inputs(rank, hidden):
     mapping = _mapping([2], ids, False)
     x = torch.randn(1, hidden, generator=g).to(DEVICE, dtype)
     y0 = torch.randn(1, sum(slices), generator=g).to(DEVICE, dtype)
-    want, got = y0.float().clone(), y0.clone()
-    for w, out, args in ((PunicaWrapper(16, 4, DEVICE, backend="torch"), want, (x.float(), a.float(), b.float())),
-                         (PunicaWrapper(16, 4, DEVICE, backend="triton"), got, (x, a, b))):
-        w.update_metadata(mapping, ids)
-        assert w.backend == "torch" or w.token_meta.use_bgmv
-        w.add_lora_linear(out, *args, None, 0.5, slices, ranks)
+    want, got, w = lora_linear_both(mapping, ids, x, a, b, y0, slices, ranks)
+    assert w.token_meta.use_bgmv
     _assert_close(got, want, dtype)
 
 
