@@ -86,7 +86,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--seeds", type=int, default=2)
     a = p.parse_args()
-    print(f"{'rule':16}{'seed':>5}{'adapters/step':>15}{'mean bound':>12}{'all slots':>11}{'activations':>13}{'moves':>7}")
+    print(f"{'rule':16}{'seed':>5}{'adapters/step':>15}{'mean bound':>12}{'all slots':>11}{'activations':>13}"
+          f"{'moves':>7}")
     for rule in RULES:
         for seed in range(a.seeds):
             per_step, bound, full, loads, moves = run(rule, a, seed)

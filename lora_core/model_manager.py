@@ -21,15 +21,16 @@ mask their loads by it. Time is another matter: the
 kernels' rank tile is sized for max_lora_rank, so small decode batches of
 low-rank adapters in wide slots still run slower (bench/RESULTS.md measures it).
 
-Slot compaction (``compact_slots``): a step whose A rows are stacked under
-the base weights reads every slot below its highest one in use (stacked_a.py),
-so prepare_batch keeps a batch's n adapters in the slots below
-adapter_bound(n) (n rounded up to a power of four): one that sits higher
-moves down, by a device-to-device copy of its slot, into a free slot there or
-one made free by moving the least recently used evictable adapter there up
-(evicting, if no slot above is free, the one that LRU eviction would take). Without it, LRU eviction scatters a Zipf
-workload's ~12 adapters per step over all 32 slots in 95-97% of steps
-(bench/slot_bounds.py), and each step reads ~20 idle slots' A rows.
+Slot compaction (``compact_slots``): a stacked step reads every slot below its
+highest one in use, and runs the shrink kernel instead when too many of them
+are idle (stacked_a.py). So prepare_batch keeps a batch's n adapters in the
+slots below adapter_bound(n) (n rounded up to a power of four): one that sits
+higher moves down, by a device-to-device copy of its slot, into a free slot
+there or one made free by moving the least recently used evictable adapter
+there up (evicting, if no slot above is free, the one that LRU eviction would
+take). Without it, LRU eviction scatters a Zipf workload's ~12 adapters per
+step over all 32 slots in 95-99% of steps (bench/slot_bounds.py): rank-64 Zipf
+steps then ran the shrink kernel, 0.58 ms slower on an H200 (bench/RESULTS.md).
 
 Eviction never takes a pinned adapter nor one the running batch uses; every
 operation checks that it can succeed (adapter valid, enough slots freeable)
@@ -118,7 +119,7 @@ class LoRAModelManager:
         self._active: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
         self._running: frozenset[int] = frozenset()
         self.compact_slots = compact_slots
-        self.slot_moves = 0  # adapters moved down by compaction, for tests and benchmarks
+        self.slot_moves = 0  # slot-to-slot copies made by compaction, for tests and benchmarks
         self._host: HostLRUCache[int, HostAdapter] = HostLRUCache(
             lora_config.max_cpu_loras, can_evict=lambda i: i not in self._running, on_evict=self._on_host_evict)
 

@@ -89,7 +89,7 @@ BGMV_SITE_K_OVER_N = 2
 
 
 def use_bgmv_site(meta: PunicaMetadata, hidden: int, outputs: int, rank: int) -> bool:
-    """use_bgmv for one site of hidden inputs and outputs outputs (all slices) in slots of this rank."""
+    """use_bgmv for one site: `hidden` inputs, `outputs` outputs over all its slices, slots of `rank`."""
     if meta.use_bgmv:
         return True
     return (bool(BGMV_SITE_K_OVER_N) and meta.num_rows <= meta.bgmv_max_rows and _block_r(rank) <= 16
