@@ -12,6 +12,17 @@ from bench.slot_bounds import RULES, run
 @pytest.mark.parametrize("rule", RULES)
 def test_replay_reports_bounds_that_cover_the_steps_adapters(rule):
     args = argparse.Namespace(adapters=40, slots=16, concurrency=12, steps=300)
-    per_step, bound, full, loads = run(rule, args, seed=0)
+    per_step, bound, full, loads, moves = run(rule, args, seed=0)
     assert 1 <= per_step <= 12 and per_step <= bound <= 16  # a bound is never below the step's adapter count
     assert 0 <= full <= 1 and 16 <= loads  # every slot gets filled, adapters come and go
+    assert (moves > 0) == (rule == "compact")  # only the manager's compaction moves adapters between slots
+
+
+def test_compaction_keeps_steps_under_their_adapter_bound_at_lrus_activations():
+    """~12 adapters per step over 32 slots: LRU's steps reach the last slot most of the time, compacted ones stay
+    under 16 (their adapter bound), with as many adapters brought to the GPU."""
+    args = argparse.Namespace(adapters=100, slots=32, concurrency=32, steps=300)
+    _, lru_bound, lru_full, lru_loads, _ = run("lru", args, seed=0)
+    _, bound, full, loads, _ = run("compact", args, seed=0)
+    assert lru_full > 0.5 and full < 0.1 and bound < 17 < lru_bound
+    assert loads <= lru_loads + 2
