@@ -159,8 +159,6 @@ def expand_kernel(
     again from its launch (shrink_splits per tile, split_cap; both 1 when buf
     holds one partial, as from add_expand).
     """
-    if USE_PDL:  # the pointwise kernel after us (replicas/kernels/fused.py) may launch and wait now
-        tl.extra.cuda.gdc_launch_dependents()
     num_tiles = tl.load(num_tiles_ptr)
     num_slices = tl.num_programs(2)
     chunks = _deal(num_tiles, tl.num_programs(1), num_slices, tl.num_programs(0) * tl.num_programs(1),
@@ -283,11 +281,8 @@ def bgmv_expand_kernel(
     Under programmatic dependent launch (USE_PDL) this kernel starts while the
     shrink still runs: the slot and its first B tile are loaded before
     gdc_wait, so their DRAM latency hides behind the shrink; y after it (the
-    shrink itself may have started under the kernel that writes y). It lets the kernel after it launch at
-    once (a pointwise kernel that waits for it: replicas/kernels/fused.py).
+    shrink itself may have started under the kernel that writes y).
     """
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     s = tl.program_id(2)

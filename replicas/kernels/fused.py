@@ -18,11 +18,7 @@ matches bit for bit up to the order of a float32 sum and ~1 ulp of the libm):
         (replicas.attention.write_kv)
 
 Every op returns new tensors and leaves its inputs alone (write_kv_cache
-writes only the caches). On Hopper the norm, rotary and silu kernels are
-launched under programmatic dependent launch and wait for the kernel before
-them first thing: a LoRA expand before them (lora_core's punica kernels)
-lets them launch as it starts, so their launch overlaps it
-(LORAFLEET_PDL_OPS=0 turns that off). No op reads anything back to the host and every
+writes only the caches). No op reads anything back to the host and every
 grid depends only on shapes, so all of them can be captured in a CUDA graph.
 
 On CUDA the transcendentals come from libdevice, the CUDA math library that
@@ -32,7 +28,6 @@ instructions); the interpreter has no libdevice and uses numpy's.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -53,29 +48,9 @@ def enabled() -> bool:
     return os.environ.get("LORAFLEET_FUSED_OPS", "1") != "0"
 
 
-@functools.lru_cache(maxsize=None)
-def _pdl(device_index: int) -> bool:
-    from lora_core.punica.triton_ops import pdl_supported
-
-    return os.environ.get("LORAFLEET_PDL_OPS", "1") != "0" and pdl_supported(device_index)
-
-
-def _launch_opts(t: torch.Tensor, pdl: bool = False) -> dict:
-    """No mul+add -> fma contraction: torch rounds each product on its own. pdl: the kernel takes USE_PDL
-    (pass _uses_pdl(t) as it) and waits for the kernel before it."""
-    if not t.is_cuda:
-        return {}
-    return {"enable_fp_fusion": False, **({"launch_pdl": True} if pdl and _uses_pdl(t) else {})}
-
-
-def _uses_pdl(t: torch.Tensor) -> bool:
-    return t.is_cuda and _pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
-@triton.jit
-def _pdl_wait(USE_PDL: tl.constexpr):
-    if USE_PDL:  # launched under programmatic dependent launch: the kernel before may still run
-        tl.extra.cuda.gdc_wait()
+def _launch_opts(t: torch.Tensor) -> dict:
+    # No mul+add -> fma contraction: torch rounds each product on its own.
+    return {"enable_fp_fusion": False} if t.is_cuda else {}
 
 
 @triton.jit
@@ -117,11 +92,10 @@ def _rsqrt(x, PRECISE: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, inv_n, N, sx, sr, so, sro,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                     PRECISE: tl.constexpr, USE_PDL: tl.constexpr):
+                     PRECISE: tl.constexpr):
     """One program per row. A row that fits one block stays in registers; a wider one is read twice.
 
     The mean is sum * (1/N), as torch's mean reduction computes it."""
-    _pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row, r_row = x_ptr + row * sx, res_ptr + row * sr
     out_row, ro_row = out_ptr + row * so, res_out_ptr + row * sro
@@ -181,7 +155,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         x2, r2, weight.contiguous(), out2, ro2, float(eps), 1.0 / n, n,
         x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=block >= n, PRECISE=x.is_cuda,
-        USE_PDL=_uses_pdl(x), num_warps=max(1, min(block // 512, 8)), **_launch_opts(x, pdl=True))
+        num_warps=max(1, min(block // 512, 8)), **_launch_opts(x))
     return out, res_out
 
 
@@ -221,9 +195,8 @@ def _rotate_heads(in_row, out_row, head0, num_heads, cos, sin,
 def _rotary_kernel(pos_ptr, inv_freq_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads,
                    sq, sk, sqo, sko,
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, Q_PROGRAMS: tl.constexpr,
-                   PRECISE: tl.constexpr, USE_PDL: tl.constexpr):
+                   PRECISE: tl.constexpr):
     """Program (t, j) rotates BLOCK_H heads of token t: q heads for j < Q_PROGRAMS, then k heads."""
-    _pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
@@ -261,14 +234,12 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: 
         positions.reshape(-1), inv_freq.float().contiguous(), q2, k2, q_out, k_out, num_q_heads, num_k_heads,
         q2.stride(0), k2.stride(0), q2.shape[1], k2.shape[1],
         HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, Q_PROGRAMS=q_programs, PRECISE=q.is_cuda,
-        USE_PDL=_uses_pdl(q), num_warps=2, **_launch_opts(q, pdl=True))
+        num_warps=2, **_launch_opts(q))
     return q_out, k_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    _pdl_wait(USE_PDL)
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -289,8 +260,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 1024)
     out2 = out.view(-1, inter)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out2, inter, x2.stride(0), out2.stride(0), BLOCK=block, PRECISE=x.is_cuda, USE_PDL=_uses_pdl(x),
-        num_warps=4, **_launch_opts(x, pdl=True))
+        x2, out2, inter, x2.stride(0), out2.stride(0), BLOCK=block, PRECISE=x.is_cuda,
+        num_warps=4, **_launch_opts(x))
     return out
 
 
