@@ -1,9 +1,12 @@
 """How high a step's slots reach under Zipf traffic: the slot bound that stacked steps read A rows up to.
 
 Stacked steps (lora_core/stacked_a.py) read the A rows of every slot below the step's highest one (rounded up
-to a power of four), so a step's idle slots below it cost bytes. This replays a closed loop of requests with
+to a power of four), so a step's idle slots below it cost bytes, and past a limit the step runs the shrink
+kernel instead. This replays a closed loop of requests with
 Zipf(1.5)-popular adapters through LoRAModelManager.prepare_batch (CPU, tiny slots: the placement is all
-that matters) and prints how often a step's bound is every slot, and the activations, for eviction rules:
+that matters) and prints how often a step's bound is every slot, the activations, and the share of steps
+whose idle slots below the bound stay within stacked_a.max_idle_slots at rank 64 ("r64 stacks"), for eviction
+rules:
   lru              the manager's (least recently used evictable adapter)
   low-older-half   the lowest slot among the older half of the evictable adapters
   lowest           the lowest evictable slot
@@ -18,6 +21,7 @@ import argparse
 import os
 import random
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +33,7 @@ from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.model_manager import LoRAModelManager  # noqa: E402
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind  # noqa: E402
 from lora_core.punica.metadata import adapter_bound  # noqa: E402
+from lora_core.stacked_a import max_idle_slots  # noqa: E402
 
 MODULE = "model.layers.0.self_attn.o_proj"
 RULES = ("lru", "low-older-half", "lowest", "compact")
@@ -48,8 +53,16 @@ class _Manager(LoRAModelManager):
         return [first] + [i for i in ids if i != first]
 
 
-def run(rule: str, a: argparse.Namespace, seed: int) -> tuple[float, float, float, int, int]:
-    """(adapters per step, mean slot bound, share of steps bounded by every slot, activations, slot moves)."""
+class Replay(NamedTuple):
+    per_step: float  # adapters per step
+    bound: float  # mean slot bound
+    full: float  # share of steps bounded by every slot
+    loads: int  # activations (adapters brought to the GPU)
+    moves: int  # slot moves (compaction)
+    stacks64: float  # share of steps within the rank-64 idle-slot limit
+
+
+def run(rule: str, a: argparse.Namespace, seed: int) -> Replay:
     spec = LoRAModuleSpec(MODULE, LoRAKind.LINEAR, 8, (8,), ("o_proj",), ShardKind.ROW)
     cfg = LoRAConfig(max_loras=a.slots, max_lora_rank=4, max_cpu_loras=a.adapters)
     m = _Manager([spec], cfg, "cpu", torch.float32, compact_slots=rule == "compact")
@@ -74,8 +87,9 @@ def run(rule: str, a: argparse.Namespace, seed: int) -> tuple[float, float, floa
         bounds.append(adapter_bound(max(m.slot_of(i) for i in ids) + 1, a.slots))
         counts.append(len(set(ids)))
         reqs = [(lora, n - 1) if n > 1 else new_request() for lora, n in reqs]
-    n = len(bounds)
-    return sum(counts) / n, sum(bounds) / n, sum(b == a.slots for b in bounds) / n, loads, m.slot_moves
+    n, idle = len(bounds), max_idle_slots(64)
+    return Replay(sum(counts) / n, sum(bounds) / n, sum(b == a.slots for b in bounds) / n, loads, m.slot_moves,
+                  sum(b - c <= idle for b, c in zip(bounds, counts)) / n)
 
 
 def main() -> None:
@@ -87,11 +101,12 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=2)
     a = p.parse_args()
     print(f"{'rule':16}{'seed':>5}{'adapters/step':>15}{'mean bound':>12}{'all slots':>11}{'activations':>13}"
-          f"{'moves':>7}")
+          f"{'moves':>7}{'r64 stacks':>12}")
     for rule in RULES:
         for seed in range(a.seeds):
-            per_step, bound, full, loads, moves = run(rule, a, seed)
-            print(f"{rule:16}{seed:>5}{per_step:>15.1f}{bound:>12.1f}{full:>11.0%}{loads:>13}{moves:>7}")
+            r = run(rule, a, seed)
+            print(f"{rule:16}{seed:>5}{r.per_step:>15.1f}{r.bound:>12.1f}{r.full:>11.0%}{r.loads:>13}{r.moves:>7}"
+                  f"{r.stacks64:>12.0%}")
 
 
 if __name__ == "__main__":
