@@ -18,7 +18,8 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from replicas.model_runner import ModelRunner, RunnerConfig, StepInput
+from replicas.executor import Rank0Executor
+from replicas.model_runner import ModelRunner, RunnerConfig
 from replicas.parallel import backend_for, destroy_distributed, free_port, init_distributed
 
 
@@ -44,7 +45,7 @@ class _RankActor:
         destroy_distributed()
 
 
-class RayExecutor:
+class RayExecutor(Rank0Executor):
     def __init__(self, cfg: RunnerConfig, tp_size: int) -> None:
         pg = get_current_placement_group()
         if pg is None:
@@ -64,32 +65,15 @@ class RayExecutor:
         self.runner = ModelRunner(cfg, init_distributed(0, tp_size, init_method, backend_for(cfg.device)))
         ray.get(starts)
 
-    @property
-    def model_config(self):
-        return self.runner.model_config
+    def _send(self, method: str, args: tuple) -> list:
+        return [a.call.remote(method, *args) for a in self._actors]
 
-    takes_device_tokens = True  # rank 0's execute() takes them; runners send them on to the others
-
-    def call(self, method: str, *args: Any) -> Any:
-        return self._call(method, args, args)
-
-    def _call(self, method: str, worker_args: tuple, rank0_args: tuple) -> Any:
-        pending = [a.call.remote(method, *worker_args) for a in self._actors]
-        error, result = None, None
-        try:
-            result = getattr(self.runner, method)(*rank0_args)
-        except BaseException as exc:
-            error = exc
+    def _gather(self, pending: list) -> BaseException | None:
         try:
             ray.get(pending)
         except BaseException as exc:  # a worker's failure (same input, same typed error usually)
-            error = error or exc
-        if error is not None:
-            raise error
-        return result
-
-    def execute(self, step: StepInput, previous_tokens=None):
-        return self._call("execute", (step,), (step, previous_tokens))
+            return exc
+        return None
 
     def shutdown(self) -> None:
         self.runner.close()

@@ -67,7 +67,46 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker failed to start."""
 
 
-class MultiprocExecutor:
+class Rank0Executor:
+    """Rank 0's runner in this process, ranks 1..tp-1 elsewhere: subclasses say where (_send, _gather). Every call
+    runs on all ranks, so their collectives pair up; an error (rank 0's first) is raised once every rank has
+    answered, so the ranks stay in step for the next call."""
+
+    takes_device_tokens = True  # rank 0's execute() takes them; runners send them on to the others
+    runner: ModelRunner | None = None
+
+    @property
+    def model_config(self):
+        return self.runner.model_config
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self._call(method, args, args)
+
+    def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self._call("execute", (step,), (step, previous_tokens))
+
+    def _call(self, method: str, worker_args: tuple, rank0_args: tuple) -> Any:
+        pending = self._send(method, worker_args)
+        error, result = None, None
+        try:
+            result = getattr(self.runner, method)(*rank0_args)
+        except BaseException as exc:
+            error = exc
+        worker_error = self._gather(pending)
+        if error is not None or worker_error is not None:
+            raise error if error is not None else worker_error
+        return result
+
+    def _send(self, method: str, args: tuple) -> Any:
+        """Start the call on ranks 1..tp-1; returns what _gather waits on."""
+        raise NotImplementedError
+
+    def _gather(self, pending: Any) -> BaseException | None:
+        """Wait for every other rank's answer to the call; the first error among them, if any."""
+        raise NotImplementedError
+
+
+class MultiprocExecutor(Rank0Executor):
     def __init__(self, cfg: RunnerConfig, tp_size: int) -> None:
         ctx_mp = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -94,33 +133,17 @@ class MultiprocExecutor:
                 self.shutdown()
                 raise WorkerError(f"tensor-parallel worker failed to start: {detail}")
 
-    @property
-    def model_config(self):
-        return self.runner.model_config
-
-    takes_device_tokens = True  # rank 0's execute() takes them; runners send them on to the others
-
-    def call(self, method: str, *args: Any) -> Any:
-        return self._call(method, args, args)
-
-    def _call(self, method: str, worker_args: tuple, rank0_args: tuple) -> Any:
+    def _send(self, method: str, args: tuple) -> None:
         for conn in self._conns:
-            conn.send((method, worker_args))
-        error, result = None, None
-        try:
-            result = getattr(self.runner, method)(*rank0_args)
-        except BaseException as exc:
-            error = exc
+            conn.send((method, args))
+
+    def _gather(self, pending: None) -> BaseException | None:
+        error = None
         for conn in self._conns:  # always drain, so the pipes stay in step
             status, detail = conn.recv()
             if status == "error" and error is None:
                 error = detail
-        if error is not None:
-            raise error
-        return result
-
-    def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        return self._call("execute", (step,), (step, previous_tokens))
+        return error
 
     def shutdown(self) -> None:
         if self.runner is not None:
