@@ -1,0 +1,69 @@
+"""Executors: what the multiprocess and Ray executors share (replicas.executor.Rank0Executor), and the
+multiprocess one's error path with real worker processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from replicas.executor import MultiprocExecutor, Rank0Executor
+from replicas.model_runner import RunnerConfig
+
+
+class _Runner:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.calls = fail, []
+
+    def ping(self, value):
+        self.calls.append(value)
+        if self.fail:
+            raise ValueError("rank 0 failed")
+        return value * 2
+
+
+class _Fake(Rank0Executor):
+    """Ranks 1..tp-1 as a list of answers: None (ok) or the error each one raises."""
+
+    def __init__(self, runner: _Runner, workers: list[BaseException | None]) -> None:
+        self.runner, self.workers, self.sent, self.gathered = runner, workers, [], 0
+
+    def _send(self, method, args):
+        self.sent.append((method, args))
+        return list(self.workers)
+
+    def _gather(self, pending):
+        self.gathered += 1
+        return next((e for e in pending if e is not None), None)
+
+
+def test_a_call_runs_on_every_rank_and_errors_wait_for_all_of_them():
+    ok = _Fake(_Runner(), [None, None])
+    assert ok.call("ping", 3) == 6 and ok.sent == [("ping", (3,))] and ok.gathered == 1
+    worker = _Fake(_Runner(), [None, KeyError("rank 2")])
+    with pytest.raises(KeyError, match="rank 2"):
+        worker.call("ping", 1)
+    assert worker.runner.calls == [1] and worker.gathered == 1  # rank 0 ran too
+    both = _Fake(_Runner(fail=True), [RuntimeError("rank 1")])
+    with pytest.raises(ValueError, match="rank 0 failed"):  # rank 0's error first
+        both.call("ping", 1)
+    assert both.gathered == 1  # the other ranks' answers were still collected: the next call starts in step
+
+
+def test_execute_sends_the_step_to_the_workers_and_the_device_tokens_to_rank_0_only():
+    class _StepRunner:
+        def execute(self, step, previous_tokens=None):
+            return (step, previous_tokens)
+
+    ex = _Fake(_StepRunner(), [None])
+    assert ex.execute("step", "tokens") == ("step", "tokens")
+    assert ex.sent == [("execute", ("step",))] and ex.takes_device_tokens
+
+
+def test_multiproc_executor_raises_a_workers_error_and_keeps_serving(tiny_checkpoint):
+    ex = MultiprocExecutor(RunnerConfig(model=str(tiny_checkpoint("llama3_tied")), num_blocks=8), 2)
+    try:
+        assert ex.call("lora_in_host_cache", 1) is False
+        with pytest.raises(AttributeError, match="no_such_method"):
+            ex.call("no_such_method")
+        assert ex.call("list_loras") == []  # the pipes are still in step
+    finally:
+        ex.shutdown()
