@@ -110,3 +110,47 @@ def test_running_adapters_are_never_moved_off_nor_evicted():
     index_to_id = _batch(m, [7, 8])  # bound 4: 7 and 8 take the slots of the LRU idle adapters 1 and 2
     assert index_to_id.index(7) < 4 and index_to_id.index(8) < 4
     _assert_consistent(m, loras)
+
+
+def test_random_operations_keep_every_slot_right():
+    """Batches, pins, deactivations, removals and re-adds in random order with compaction on: after each, every
+    GPU adapter's slot holds its own weights, free slots read as empty, pinned adapters stay on the GPU, and an
+    operation that fails (a batch too large for the unpinned slots, removing a running adapter) changes nothing."""
+    from lora_core.errors import LoRACapacityError
+    from tests.lora_core.test_model_manager import snapshot
+
+    m, _, _, loras = _managers(max_loras=6, adapters=12)
+    rng = random.Random(3)
+    registered, pinned, refused = set(loras), set(), 0
+    for _ in range(150):
+        op = rng.choice(["batch"] * 5 + ["pin", "deactivate", "remove", "readd"])
+        before = snapshot(m)
+        try:
+            if op == "batch":
+                _batch(m, sorted(rng.sample(sorted(registered), rng.randint(1, min(6, len(registered))))))
+            elif op == "pin" and len(pinned) < 2:
+                lora_id = rng.choice(sorted(registered))
+                m.pin_adapter(lora_id)
+                pinned.add(lora_id)
+            elif op == "deactivate":
+                lora_id = rng.choice(sorted(registered))
+                m.deactivate_adapter(lora_id)
+                pinned.discard(lora_id)
+            elif op == "remove" and len(registered) > 6:
+                lora_id = rng.choice(sorted(registered))
+                m.remove_adapter(lora_id)
+                registered.discard(lora_id)
+                pinned.discard(lora_id)
+            elif op == "readd" and set(loras) - registered:
+                lora_id = rng.choice(sorted(set(loras) - registered))
+                m.add_adapter(loras[lora_id])
+                registered.add(lora_id)
+        except LoRACapacityError:
+            assert snapshot(m) == before, op
+            refused += 1
+        _assert_consistent(m, loras)
+        assert pinned <= set(m.active_adapters())
+        index_to_id = m.lora_index_to_id
+        assert sorted(i for i in index_to_id if i is not None) == sorted(m.active_adapters())
+        assert all(index_to_id[m.slot_of(i)] == i for i in m.active_adapters())
+    assert m.slot_moves > 10 and refused > 0
