@@ -30,7 +30,9 @@ the device-to-device copy bandwidth measured in this run (read + write
 bytes). x bnd = extra / bound; ceil = base's dec ms / (that + bound), the
 highest x dec that the adapter bytes alone allow (a LoRA row's target above
 it is out of reach at that batch size). Prints rows as they finish, a table last, then
-where each row's wall time went (lines starting "time") and which Triton kernel
+where each row's wall time went (lines starting "time", ending with the adapter
+copies from host memory into GPU slots that steps waited for / that prefetches
+made ahead, under a running step) and which Triton kernel
 variants compiled while a row ran (bench/triton_compiles.py; those that the
 engine's warm-up leaves to serving mostly compile in the bench's warm requests
 before the rows, which span the rows' prompt lengths, and are named there);
@@ -337,12 +339,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("\n" + header())
     for row in rows:
         print(fmt(row) + (f"   x hf {row['x_hf']:.1f}" if "x_hf" in row else ""))
-    print("\nwhere the wall time went (s): decode-only steps (count, mean rows), steps with prompt tokens, outside")
+    print("\nwhere the wall time went (s): decode-only steps (count, mean rows), steps with prompt tokens, outside;"
+          " adapter copies host -> GPU slot that a step waited for / made ahead under a running step")
     for row in rows:
         if "decode_s" in row:
             print(f"time {row['scenario']:18} wall {row['wall_s']:6.2f}  decode {row['decode_s']:6.2f} "
                   f"({row['decode_steps_all']:5d}, {row['decode_rows']:5.1f} rows)  prompt {row['prompt_s']:6.2f} "
-                  f"({row['prompt_steps']:4d})  outside {row['outside_s']:6.2f}  Triton compiles {row['compiles']}")
+                  f"({row['prompt_steps']:4d})  outside {row['outside_s']:6.2f}  Triton compiles {row['compiles']}"
+                  f"  slot copies {row['slot_copies_in_step']} / {row['slot_copies_ahead']}")
     for row in rows:
         if row.get("compiled"):
             print(f"compiled while {row['scenario']} ran: {row['compiled']}")

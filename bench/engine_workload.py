@@ -226,6 +226,7 @@ class Recorder:
 
         engine._step_input = recording
         runner = getattr(engine.executor, "runner", None)
+        self.manager = getattr(runner, "lora_manager", None)  # rank 0's: its host-to-slot copies
         if runner is not None and runner.loads is not None:
             # Every disk load goes through exactly one of them: a background load, or a synchronous reload.
             for owner, name in ((runner.loads, "load_prepared"), (runner, "_register")):
@@ -251,6 +252,7 @@ def drive(engine: LLMEngine, rec: Recorder, reqs: list[Request], loras: list, co
     added, first, done, ntok = {}, {}, {}, {}
     rec.steps.clear()
     loads0 = rec.loads
+    copies0 = dict(rec.manager.host_copies) if rec.manager is not None else {}
     t0 = time.perf_counter()
     while True:
         now = time.perf_counter()
@@ -280,8 +282,9 @@ def drive(engine: LLMEngine, rec: Recorder, reqs: list[Request], loras: list, co
             if out.finished:
                 done[i], ntok[i] = end, len(out.outputs[0].token_ids)
                 active -= 1
+    copies = {k: v - copies0[k] for k, v in rec.manager.host_copies.items()} if rec.manager is not None else {}
     return dict(added=added, first=first, done=done, ntok=ntok, wall=max(done.values()) - t0,
-                steps=list(rec.steps), loads=rec.loads - loads0)
+                steps=list(rec.steps), loads=rec.loads - loads0, copies=copies)
 
 
 def summarize(name: str, rank: int, registered: int, run: dict, concurrency: int) -> dict:
@@ -298,7 +301,8 @@ def summarize(name: str, rank: int, registered: int, run: dict, concurrency: int
                 tpot_p50_ms=1e3 * percentile(tpot, 50), tpot_p99_ms=1e3 * percentile(tpot, 99),
                 decode_ms=1e3 * percentile([s[0] for s in use], 50), decode_batch=mean([s[2] for s in use]),
                 decode_steps=len(use), adapters=mean([s[3] for s in use]), kv_tokens=mean([s[4] for s in use]),
-                loads=run["loads"], **time_breakdown(run))
+                loads=run["loads"], slot_copies_in_step=run["copies"].get("in_step", 0),
+                slot_copies_ahead=run["copies"].get("ahead", 0), **time_breakdown(run))
 
 
 def time_breakdown(run: dict) -> dict:

@@ -120,6 +120,9 @@ class LoRAModelManager:
         self._running: frozenset[int] = frozenset()
         self.compact_slots = compact_slots
         self.slot_moves = 0  # slot-to-slot copies made by compaction, for tests and benchmarks
+        # Adapter images copied from host memory into slots: on the calling (step's) stream, which the step waits
+        # for, and on a side stream (prefetches under a running step). For benchmarks.
+        self.host_copies = {"in_step": 0, "ahead": 0}
         self._host: HostLRUCache[int, HostAdapter] = HostLRUCache(
             lora_config.max_cpu_loras, can_evict=lambda i: i not in self._running, on_evict=self._on_host_evict)
 
@@ -344,6 +347,7 @@ class LoRAModelManager:
     def _write(self, slot: int, adapter: HostAdapter, stream: "torch.cuda.Stream | None") -> None:
         """Two copies: the adapter's slot image (zeros past its ranks included), then its ranks, which
         make the kernels read the slot; with stacked A rows, one more per linear module between them."""
+        self.host_copies["ahead" if stream is not None else "in_step"] += 1
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self._arena[slot].copy_(adapter.slab[:self._arena.shape[1]], non_blocking=True)
             if self._stacked_a:

@@ -71,6 +71,9 @@ def test_wall_time_is_split_into_steps_and_the_rest(tiny_run):
         assert math.isclose(r["decode_s"] + r["prompt_s"] + r["outside_s"], r["wall_s"], rel_tol=1e-6), (name, r)
         assert 1 <= r["decode_rows"] <= 4, (name, r)  # the tiny run's closed loop of 4
     assert tiny_run[0].count("\ntime ") == len(ENGINE_ROWS)
+    copies = {name: int(rows[name]["slot_copies_in_step"]) + int(rows[name]["slot_copies_ahead"]) for name in rows
+              if name in ENGINE_ROWS}
+    assert copies["base"] == 0 and copies["distinct-r16"] >= 1  # every distinct adapter reaches a slot once at least
 
 
 def test_csv_holds_every_row(tiny_run):
