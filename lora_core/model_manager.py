@@ -226,9 +226,7 @@ class LoRAModelManager:
                 raise LoRACapacityError(f"no GPU slot for LoRA adapter {lora_id}: all {len(self._slots)} slots "
                                         "hold pinned adapters or adapters of the running batch")
             slot = self._release(victims[0])
-        self._write(slot, self._host.peek(lora_id), stream)
-        self._slots[slot] = lora_id
-        self._active[lora_id] = slot
+        self._install(lora_id, slot, stream)
         self._host.touch(lora_id)
         return slot
 
@@ -287,8 +285,7 @@ class LoRAModelManager:
             if lora_id in self._active:
                 self._move(lora_id, slot, stream)
             else:
-                self._write(slot, self._host.peek(lora_id), stream)
-                self._slots[slot], self._active[lora_id] = lora_id, slot
+                self._install(lora_id, slot, stream)
 
     def _low_slot(self, bound: int, stream: "torch.cuda.Stream | None") -> int | None:
         """A free slot below ``bound``, or None. Made free if need be: the least recently used evictable
@@ -343,6 +340,11 @@ class LoRAModelManager:
         self._slots[slot] = None
         self._ranks[:, :, slot] = 0
         return slot
+
+    def _install(self, lora_id: int, slot: int, stream: "torch.cuda.Stream | None") -> None:
+        """Copy a registered adapter's host image into the free ``slot`` and record it there."""
+        self._write(slot, self._host.peek(lora_id), stream)
+        self._slots[slot], self._active[lora_id] = lora_id, slot
 
     def _write(self, slot: int, adapter: HostAdapter, stream: "torch.cuda.Stream | None") -> None:
         """Two copies: the adapter's slot image (zeros past its ranks included), then its ranks, which
