@@ -99,7 +99,9 @@ class LLMEngine:
                                   lora_host_pool=args.lora_host_pool, lora_merge_steps=args.lora_merge_steps,
                                   lora_stacked_max_tokens=args.lora_stacked_max_tokens,
                                   lora_fused_max_adapters=args.lora_fused_max_adapters,
-                                  lora_compact_slots=args.lora_compact_slots)
+                                  lora_compact_slots=args.lora_compact_slots,
+                                  lora_pending_max_tokens=args.lora_pending_max_tokens,
+                                  lora_pending_min_adapters=args.lora_pending_min_adapters)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
         # GPU: compile the kernels, capture the decode and piecewise graphs
         self.num_cuda_graphs = self.executor.call("warm_up")

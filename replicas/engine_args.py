@@ -64,6 +64,12 @@ class EngineArgs:
     # above what their count needs, so stacked steps read no idle slots' A rows (lora_core/model_manager.py).
     # Only stacked steps gain, so it is on only where the stacked path is.
     lora_compact_slots: bool = True
+    # Stacked steps of up to lora_pending_max_tokens token rows over at least lora_pending_min_adapters adapters
+    # (rounded up to a power of four, as CUDA graph keys hold them) leave gate_up_proj's LoRA expand to
+    # SiluAndMul, which adds it as it reads gate and up: one launch less per layer (lora_core/punica/pending.py).
+    # None: 32 where the stacked path is on and max_lora_rank <= 16, else 0 (off) (lora_layers.pending_max_tokens).
+    lora_pending_max_tokens: int | None = None
+    lora_pending_min_adapters: int = 5
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
@@ -74,6 +80,10 @@ class EngineArgs:
             raise ValueError(f"lora_stacked_max_tokens must be >= 0 (0: off), got {self.lora_stacked_max_tokens}")
         if self.lora_fused_max_adapters is not None and self.lora_fused_max_adapters < 0:
             raise ValueError(f"lora_fused_max_adapters must be >= 0 (0: off), got {self.lora_fused_max_adapters}")
+        if self.lora_pending_max_tokens is not None and self.lora_pending_max_tokens < 0:
+            raise ValueError(f"lora_pending_max_tokens must be >= 0 (0: off), got {self.lora_pending_max_tokens}")
+        if self.lora_pending_min_adapters < 1:
+            raise ValueError(f"lora_pending_min_adapters must be >= 1, got {self.lora_pending_min_adapters}")
         if self.lora_merge_steps and not self.enable_lora:
             raise ValueError("lora_merge_steps merges adapters: it needs enable_lora=True")
 

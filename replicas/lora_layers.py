@@ -19,7 +19,9 @@ up to PunicaWrapper.stacked_max_tokens rows run one GEMM for the base output
 and every slot's shrink, then the expand; larger steps run base GEMM, shrink
 and expand as above, the shrink reading A from those same rows. Stacked steps of few adapters and rows
 (PunicaWrapper's fused_max_adapters) run each layer without biases in one launch instead
-(lora_core/punica/lora_gemm.py), reading the same A rows and B slots.
+(lora_core/punica/lora_gemm.py), reading the same A rows and B slots. In stacked steps the model may ask a
+column layer for `forward_pending`: (y, the expand still owed to y), which gate_up_proj's SiluAndMul then adds
+as it reads y (lora_core/punica/pending.py; PunicaWrapper.pending_expand decides per step).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from lora_core.errors import LoRAConfigError
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
 from lora_core.punica import PunicaWrapper
+from lora_core.punica.pending import PendingExpand
 from lora_core.stacked_a import a_rows, stack_bias, stack_weight
 from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replicas.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -90,6 +93,30 @@ def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank
     return next((bound for key, bound in FUSED_MAX_ADAPTERS if key in device_name), FUSED_MAX_ADAPTERS_ELSE)
 
 
+# gate_up_proj's expand inside SiluAndMul (lora_core/punica/pending.py), by default for stacked steps of up to
+# 32 rows over 5+ adapters (adapter bound 16+) with slots of rank <= 16. H200, 8B gate_up, expand + silu vs
+# the fused silu: 32 rows over 10 / 16 adapters 14.9 / 18.9 -> 10.4 / 10.6 us over the base GEMM and silu,
+# 1-4 adapters 2-4 us slower (per-row B reads: no tile shares them), rank 64 slower everywhere; engine, Zipf
+# over 100 adapters: decode step 7.02 -> 6.92 ms (bench/pending_expand.py, bench/engine.py; RESULTS.md,
+# fourteenth session).
+PENDING_MAX_TOKENS = 32
+PENDING_MAX_RANK = 16
+
+
+def pending_max_tokens(requested: int | None, stacked_tokens: int, max_lora_rank: int) -> int:
+    """EngineArgs.lora_pending_max_tokens resolved: None is PENDING_MAX_TOKENS where stacked steps run (on CUDA)
+    with slots of rank <= PENDING_MAX_RANK, else 0; asked for without stacked steps it raises (only their
+    expands can wait: the shrink columns sit beside the base output)."""
+    if not stacked_tokens:
+        if requested:
+            raise LoRAConfigError("lora_pending_max_tokens defers the expands of stacked steps: it needs "
+                                  "lora_stacked_max_tokens")
+        return 0
+    if requested is not None:
+        return requested
+    return PENDING_MAX_TOKENS if max_lora_rank <= PENDING_MAX_RANK else 0
+
+
 def stack_lora_weights(model: nn.Module, specs: list[LoRAModuleSpec], lora_config: LoRAConfig
                        ) -> dict[str, StackedWeight]:
     """Move every linear LoRA layer's base weight (and column bias) into a stacked weight with room for
@@ -143,9 +170,11 @@ class _LoRAWrapper(nn.Module):
         self.punica.add_shrink(buf, x, b.lora_a, 1.0, b.ranks, meta=meta)
         return self.base.ctx.all_gather(buf, dim=-1)
 
-    def _linear_with_lora(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _linear_with_lora(self, x: torch.Tensor, defer: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor, PendingExpand | None]:
         """base_forward(x) plus this layer's LoRA, added in place (not fully sharded): (y, the contiguous
-        tensor y is the leading columns of: y itself, or a stacked GEMM's whole output)."""
+        tensor y is the leading columns of: y itself, or a stacked GEMM's whole output, the expand left to
+        the op after this layer when `defer` and the step allows it (PunicaWrapper.pending_expand), else None)."""
         b = self.slots
         bound = self.punica.stacked_rows() if self.stacked is not None else None
         if bound is not None:
@@ -153,19 +182,29 @@ class _LoRAWrapper(nn.Module):
             if st.bias is None and b.bias is None:  # small steps of few adapters: the site in one launch
                 y = self.punica.add_lora_gemm(x, st.weight[:st.out], st.a_rows, b.lora_b, b.output_slices)
                 if y is not None:
-                    return y, y
+                    return y, y, None
             # One GEMM for the base output and every slot's shrink below the step's slot bound.
             rows = st.out + bound * st.per_slot
             out = F.linear(x, st.weight[:rows], None if st.bias is None else st.bias[:rows])
             y = out[:, :st.out]
-            self.punica.add_expand_stacked(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias)
-            return y, out
+            pending = self.punica.pending_expand(out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias) \
+                if defer else None
+            if pending is None:
+                self.punica.add_expand_stacked(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias)
+            return y, out, pending
         y = self.base.base_forward(x)
         self.punica.add_lora_linear(y, x, b.lora_a, b.lora_b, b.bias, 1.0, b.output_slices, b.ranks)
-        return y, y
+        return y, y, None
 
 
 class ColumnParallelLinearWithLoRA(_LoRAWrapper):
+    def forward_pending(self, x: torch.Tensor) -> tuple[torch.Tensor, PendingExpand | None]:
+        """(y, the expand left to the op that reads y next, or None): see replicas.layers.forward_pending."""
+        if not self.punica.token_meta.num_adapters or self.sharded:
+            return self(x), None
+        y, _, pending = self._linear_with_lora(x, defer=True)
+        return y, pending
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.punica.token_meta.num_adapters:
             return self.base.base_forward(x)
@@ -184,7 +223,7 @@ class RowParallelLinearWithLoRA(_LoRAWrapper):
         if not self.punica.token_meta.num_adapters:
             return self.base.reduce(self.base.base_forward(x))
         if not self.sharded:
-            return self.base.reduce(*self._linear_with_lora(x))
+            return self.base.reduce(*self._linear_with_lora(x)[:2])
         y = self.base.base_forward(x)
         b = self.slots
         buf = torch.zeros(1, x.shape[0], b.lora_a.shape[2], dtype=torch.float32, device=x.device)

@@ -27,7 +27,7 @@ from replicas.adapter_loads import AdapterLoads
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.lora_layers import (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA, add_lora, fused_max_adapters,
-                                  lora_module_specs, stack_lora_weights, stacked_max_tokens)
+                                  lora_module_specs, pending_max_tokens, stack_lora_weights, stacked_max_tokens)
 from replicas.lora_merge import LoRAMerger
 from replicas.model_config import ModelConfig
 from replicas.models import dummy_model, load_model
@@ -79,6 +79,8 @@ class RunnerConfig:
     lora_stacked_max_tokens: int | None = None
     lora_fused_max_adapters: int | None = None  # one launch per LoRA site for small steps; None: by device
     lora_compact_slots: bool = True  # each step's adapters in the lowest slots, with the stacked path
+    lora_pending_max_tokens: int | None = None  # stacked steps up to this many rows fuse gate_up's expand into silu
+    lora_pending_min_adapters: int = 5  # ... when their adapter bound is at least this
 
 
 class ModelRunner:
@@ -136,7 +138,10 @@ class ModelRunner:
                                     stacked_max_idle_slots=max_idle_slots(cfg.lora_config.max_lora_rank),
                                     fused_max_adapters=fused_max_adapters(
                                         cfg.lora_fused_max_adapters, stacked_tokens, cfg.lora_config.max_lora_rank,
-                                        torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""))
+                                        torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""),
+                                    pending_max_tokens=pending_max_tokens(cfg.lora_pending_max_tokens, stacked_tokens,
+                                                                          cfg.lora_config.max_lora_rank),
+                                    pending_min_adapters=cfg.lora_pending_min_adapters)
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, stacked)
         if cfg.lora_merge_steps > 0:  # before the KV budget is sized: its copy of the base weights is used memory
             linear = [m for m in self.model.modules()

@@ -23,6 +23,7 @@ from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.punica import torch_ops
 from lora_core.punica.metadata import PunicaMetadata, adapter_bound
+from lora_core.punica.pending import PendingExpand
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -38,13 +39,15 @@ class PunicaWrapper:
                  max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32,
                  use_pdl: bool | None = None, stacked_max_tokens: int = 0,
                  stacked_max_idle_slots: int | None = None, fused_max_adapters: int = 0,
-                 fused_max_tokens: int = 32) -> None:
+                 fused_max_tokens: int = 32, pending_max_tokens: int = 0, pending_min_adapters: int = 5) -> None:
         """stacked_max_tokens: steps of up to this many token rows compute the shrink of layers with stacked
         A rows in their base GEMM (stacked_rows, add_expand_stacked); larger ones run the shrink kernel, as
         do steps with more than stacked_max_idle_slots unused slots below their slot bound (None: no limit;
         stacked_a.max_idle_slots gives it for a rank). fused_max_adapters: stacked steps of up to
         fused_max_tokens rows whose adapter bound is at most this run each site in one launch instead
-        (add_lora_gemm; 0: never)."""
+        (add_lora_gemm; 0: never). pending_max_tokens, pending_min_adapters: stacked steps of up to that many rows
+        whose adapter bound is at least this leave the expands of layers that ask to the op after them
+        (pending_expand; 0 rows: never)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.device = torch.device(device)
@@ -63,6 +66,8 @@ class PunicaWrapper:
         self.stacked_max_idle_slots = max_loras if stacked_max_idle_slots is None else stacked_max_idle_slots
         self.fused_max_adapters = fused_max_adapters if backend == "triton" else 0
         self.fused_max_tokens = fused_max_tokens
+        self.pending_max_tokens = pending_max_tokens
+        self.pending_min_adapters = pending_min_adapters
         self._lora_gemms: dict[tuple, object] = {}  # shape -> lora_gemm.LoRAGemm, or None: no tiling
         self.token_meta = PunicaMetadata(max_num_tokens, max_loras, self.device, bgmv_max_tokens)
         self.sampler_meta = PunicaMetadata(max_num_prompts or max_num_tokens, max_loras, self.device, bgmv_max_tokens)
@@ -298,6 +303,17 @@ class PunicaWrapper:
                             meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
                             buf_slot_stride=num_slices * rank * col, one_tile=True,
                             bgmv=True if self._triton.use_bgmv_stacked(meta, lora_b_stacked.shape[1], rank) else None)
+
+    def pending_expand(self, shrunk: torch.Tensor, lora_b_stacked: torch.Tensor, output_slices: tuple[int, ...],
+                       ranks: torch.Tensor, lora_bias_stacked: torch.Tensor | None = None) -> PendingExpand | None:
+        """add_expand_stacked's arguments as a PendingExpand for the op after the layer to add (pending.py),
+        or None where this step runs the expand itself: more rows than pending_max_tokens, an adapter bound
+        (what the step's CUDA graph key holds of its adapter count) under pending_min_adapters, or a LoRA bias."""
+        t = self.token_meta
+        if (lora_bias_stacked is not None or not 0 < t.num_rows <= self.pending_max_tokens
+                or adapter_bound(t.num_adapters, self.max_loras) < self.pending_min_adapters):
+            return None
+        return PendingExpand(self, shrunk, lora_b_stacked, tuple(output_slices), ranks)
 
     def add_lora_embedding(self, y: torch.Tensor, token_ids: torch.Tensor, lora_a_stacked: torch.Tensor,
                            lora_b_stacked: torch.Tensor, ranks: torch.Tensor | None = None,

@@ -2,10 +2,10 @@
 
 from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replicas.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+                                    RowParallelLinear, forward_pending)
 from replicas.layers.norm import RMSNorm, SiluAndMul
 from replicas.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 __all__ = ["ColumnParallelLinear", "LinearBase", "MergedColumnParallelLinear", "ParallelLMHead",
            "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
-           "VocabParallelEmbedding", "rope_inv_freq"]
+           "VocabParallelEmbedding", "forward_pending", "rope_inv_freq"]

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_core.punica.pending import PendingExpand
 from replicas.loader import CheckpointError, copy_checked
 from replicas.parallel import ParallelContext
 
@@ -196,3 +197,10 @@ class RowParallelLinear(LinearBase):
                                       f"fit [{self.output_sizes[0]}, {self.input_size}]")
             loaded_weight = loaded_weight.narrow(1, self.tp_rank * width, width)
         copy_checked(param.data, loaded_weight, "RowParallelLinear")
+
+
+def forward_pending(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, PendingExpand | None]:
+    """(layer(x), None), or for a LoRA layer in a step that allows it (y, the expand it left for the op that
+    reads y next to add: RMSNorm and SiluAndMul take it as `lora=`; lora_core/punica/pending.py)."""
+    pending = getattr(layer, "forward_pending", None)
+    return pending(x) if pending is not None else (layer(x), None)

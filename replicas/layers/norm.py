@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_core.punica.pending import PendingExpand
+
 
 def fused_ops(x: torch.Tensor):
     """replicas.kernels.fused when its kernels should run on x (x on CUDA, unless LORAFLEET_FUSED_OPS=0), else None."""
@@ -55,9 +57,14 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: PendingExpand | None = None) -> torch.Tensor:
+        """lora: gate_up_proj's expand, left to this op (lora_core/punica/pending.py): the fused kernel adds
+        it as it reads x; elsewhere it runs into x first."""
         fused = fused_ops(x)
-        return self.forward_native(x) if fused is None else fused.silu_and_mul(x)
+        if lora is not None and (fused is None or not lora.fusable(2, x.shape[-1] // 2)):
+            lora.apply(x)
+            lora = None
+        return self.forward_native(x) if fused is None else fused.silu_and_mul(x, lora=lora)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)

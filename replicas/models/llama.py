@@ -16,7 +16,7 @@ from torch import nn
 
 from replicas.attention import Attention, AttentionBackend, AttentionMetadata
 from replicas.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                             RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+                             RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, forward_pending)
 from replicas.loader import CheckpointError, default_weight_loader
 from replicas.model_config import ModelConfig
 from replicas.parallel import ParallelContext
@@ -58,7 +58,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # A LoRA gate_up_proj may leave its expand to SiluAndMul, which adds it as it reads gate and up.
+        return self.down_proj(self.act_fn(*forward_pending(self.gate_up_proj, x)))
 
 
 class LlamaDecoderLayer(nn.Module):

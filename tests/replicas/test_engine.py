@@ -172,6 +172,23 @@ def test_stacked_rows_default_to_cuda_steps_of_up_to_256_rows():
         stacked_max_tokens(8, fp16, torch.device("cuda"), 1, torch.bfloat16)
 
 
+def test_pending_expands_default_to_steps_of_32_rows_where_rank_16_or_lower_steps_stack():
+    from lora_core.errors import LoRAConfigError
+    from replicas.engine import EngineArgs
+    from replicas.lora_layers import pending_max_tokens
+
+    assert pending_max_tokens(None, 256, 16) == 32 and pending_max_tokens(None, 256, 8) == 32
+    assert pending_max_tokens(None, 256, 64) == 0  # measured slower at rank 64
+    assert pending_max_tokens(None, 0, 16) == 0 and pending_max_tokens(0, 256, 16) == 0
+    assert pending_max_tokens(8, 256, 64) == 8  # asked for: as asked
+    with pytest.raises(LoRAConfigError, match="lora_stacked_max_tokens"):
+        pending_max_tokens(8, 0, 16)
+    with pytest.raises(ValueError, match="lora_pending_max_tokens"):
+        EngineArgs(model="m", lora_pending_max_tokens=-1)
+    with pytest.raises(ValueError, match="lora_pending_min_adapters"):
+        EngineArgs(model="m", lora_pending_min_adapters=0)
+
+
 def test_one_launch_sites_default_to_the_devices_measured_bound_where_rank_16_steps_stack():
     from lora_core.errors import LoRAConfigError
     from replicas.engine_args import EngineArgs
@@ -188,6 +205,41 @@ def test_one_launch_sites_default_to_the_devices_measured_bound_where_rank_16_st
             fused_max_adapters(*args)
     with pytest.raises(ValueError, match="lora_fused_max_adapters"):
         EngineArgs(model="m", lora_fused_max_adapters=-1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_expands_left_to_the_next_op_match_hf_peft(demo, batch, hf_reference, tp, monkeypatch):
+    """lora_pending_max_tokens (lora_core/punica/pending.py): gate_up_proj's expand runs in SiluAndMul (the
+    fused kernel on CUDA), with one adapter per step too (lora_pending_min_adapters=1). TP=1 and 2 (column
+    shards of B). Same tokens as HF + PEFT, and the steps did leave their expands."""
+    from lora_core.punica import PunicaWrapper
+    from lora_core.punica.pending import PendingExpand
+
+    left = []
+    real = PunicaWrapper.pending_expand
+
+    def counted(self, *args):
+        pending = real(self, *args)
+        left.append(pending is not None)
+        return pending
+
+    monkeypatch.setattr(PunicaWrapper, "pending_expand", counted)
+    applied = []
+    real_apply = PendingExpand.apply
+    monkeypatch.setattr(PendingExpand, "apply", lambda self, y: applied.append(1) or real_apply(self, y))
+    device = None if tp == 1 else "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    llm = LLM(str(demo.model_dir), tensor_parallel_size=tp, enable_lora=True, max_loras=4, max_lora_rank=32,
+              dtype="float32", lora_stacked_max_tokens=256, lora_pending_max_tokens=16, lora_pending_min_adapters=1,
+              device=device)
+    try:
+        _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
+    finally:
+        llm.shutdown()
+    if tp == 1:  # the counters live in this process: rank 0 of TP=2 runs in a worker
+        # gate_up_proj of each layer in each step of <= 16 rows; the prompt step (> 16 rows) expands itself
+        assert sum(left) >= 4 * (STEPS - 1) and not all(left)
+        if not torch.cuda.is_available():  # on CPU RMSNorm / SiluAndMul run each left expand themselves
+            assert len(applied) == sum(left)
 
 
 @pytest.mark.parametrize("fully_sharded,stacked", [(False, 0), (True, 0), (False, 256)],

@@ -1,0 +1,122 @@
+"""SiluAndMul adding gate_up_proj's pending LoRA expand (lora_core/punica/pending.py) as it reads its input.
+
+Reference: the same step's PendingExpand.apply (the expand as a kernel of its
+own; plain torch on CPU) into a copy of x, then the layer's forward_native. The
+fused kernels run under Triton's interpreter on CPU and for real on a GPU.
+Shrink columns and B entries past each slot's rank hold garbage (NaN) for the
+kernels and zeros for the reference: a kernel must never read them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_core.mapping import LoRAMapping
+from lora_core.punica import PunicaWrapper
+from lora_core.punica.pending import PendingExpand
+from replicas.kernels import fused
+from replicas.layers import SiluAndMul
+from tests.lora_core.punica_cases import stacked_weights
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+SLOTS, RANK = 6, 16
+# slot per row, -1 = no adapter: shared and distinct adapters, rows without one, mixed ranks (RANKS by slot)
+ROW_SLOTS = {1: [3], 5: [2, -1, 5, 2, 0], 9: [4, 4, -1, 1, 3, 0, 5, 2, -1]}
+RANKS = [16, 4, 8, 16, 1, 12]
+
+
+def _randn(*shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+def _pending(row_slots: list[int], slices: tuple[int, ...], dtype, seed: int, garbage: bool):
+    """A step's PendingExpand over SLOTS slots of RANKS, with shrink columns for every slot."""
+    g = torch.Generator().manual_seed(seed)
+    _, b, ranks = stacked_weights(SLOTS, RANK, 8, slices, RANKS, dtype, DEVICE, g)
+    ids = list(range(1, SLOTS + 1))
+    punica = PunicaWrapper(16, SLOTS, DEVICE, stacked_max_tokens=16)
+    punica.update_metadata(LoRAMapping([ids[s] if s >= 0 else 0 for s in row_slots], [1], False), ids)
+    shrunk = (torch.randn(len(row_slots), SLOTS, len(slices), RANK, generator=g) * 2).to(DEVICE, dtype)
+    for slot, r in enumerate(RANKS):
+        shrunk[:, slot, :, r:] = float("nan") if garbage else 0.0
+        if garbage:
+            b[slot, :, r:] = float("nan")
+    return PendingExpand(punica, shrunk.view(len(row_slots), -1), b, slices, ranks)
+
+
+def _reference_input(x: torch.Tensor, pending_args) -> torch.Tensor:
+    want = x.clone()
+    _pending(*pending_args, garbage=False).apply(want)
+    return want
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # The expand's float32 sum over the rank may add in another order than the reference: an ulp of the
+    # rounded sum, carried through the op.
+    assert not out.isnan().any()
+    tol = 1e-5 if out.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", sorted(ROW_SLOTS))
+@pytest.mark.parametrize("inter, block", [(96, 256), (200, 32)])  # one program per row; several, the last partial
+def test_silu_and_mul_adds_the_pending_expand_to_gate_and_up(rows, inter, block, dtype, monkeypatch):
+    monkeypatch.setattr(fused, "LORA_SILU_BLOCK", block)
+    x = _randn(rows, 2 * inter, dtype=dtype, seed=4, scale=2.0)
+    args = (ROW_SLOTS[rows], (inter, inter), dtype, rows + 100)
+    x_before = x.clone()
+
+    out = fused.silu_and_mul(x, lora=_pending(*args, True))
+    _close(out, SiluAndMul().forward_native(_reference_input(x, args)))
+    assert torch.equal(x, x_before)
+
+
+def test_rows_without_adapters_are_the_plain_op():
+    """A step whose rows have no adapter: the pending expand adds nothing, bit for bit."""
+    dtype, inter = torch.float16, 64
+    gate_up = _randn(3, 2 * inter, dtype=dtype, seed=9)
+    assert torch.equal(fused.silu_and_mul(gate_up, lora=_pending([-1, -1, -1], (inter, inter), dtype, 8, True)),
+                       fused.silu_and_mul(gate_up))
+
+
+def test_a_pending_expand_of_another_shape_is_refused():
+    x = _randn(5, 128, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="two-slice"):
+        fused.silu_and_mul(x, lora=_pending(ROW_SLOTS[5], (64, 32, 32), torch.float32, 1, False))
+    with pytest.raises(ValueError, match="two-slice"):
+        fused.silu_and_mul(x, lora=_pending(ROW_SLOTS[5], (128,), torch.float32, 1, False))
+
+
+def test_silu_and_mul_layer_takes_a_pending_expand_on_any_device():
+    """SiluAndMul(lora=...): the fused kernel on CUDA, the expand then forward_native elsewhere; an expand it
+    cannot fuse (other slices) runs first on any device."""
+    inter, dtype = 64, torch.float32
+    for slices in ((inter, inter), (32, 96)):
+        gate_up = _randn(5, 2 * inter, dtype=dtype, seed=4)
+        args = (ROW_SLOTS[5], slices, dtype, 12)
+        _close(SiluAndMul()(gate_up.clone(), lora=_pending(*args, False)),
+               SiluAndMul().forward_native(_reference_input(gate_up, args)))
+
+
+def test_steps_leave_expands_by_rows_adapter_bound_and_bias():
+    """PunicaWrapper.pending_expand: only steps of up to pending_max_tokens rows whose adapter bound (1, 4, 16,
+    ...) reaches pending_min_adapters, and never with a LoRA bias."""
+    ids = list(range(1, SLOTS + 1))
+    _, b, ranks = stacked_weights(SLOTS, RANK, 8, (8, 8), RANKS, torch.float32, DEVICE, torch.Generator())
+    shrunk = torch.zeros(9, SLOTS * 2 * RANK, device=DEVICE)
+    punica = PunicaWrapper(16, SLOTS, DEVICE, stacked_max_tokens=16, pending_max_tokens=8, pending_min_adapters=4)
+
+    def left(row_ids, bias=None):
+        punica.update_metadata(LoRAMapping(row_ids, [1], False), ids)
+        return punica.pending_expand(shrunk[:len(row_ids)], b, (8, 8), ranks, bias) is not None
+
+    assert not left([1, 1, 1])  # one adapter: bound 1
+    assert left([1, 2, 1]) and left([1, 2, 3, 4, 0])  # two to four adapters: bound 4
+    assert not left([1, 2] * 5)  # 10 rows > 8
+    assert not left([1, 2, 3], bias=torch.zeros(SLOTS, 16, device=DEVICE))
+    assert not PunicaWrapper(16, SLOTS, DEVICE).pending_expand(shrunk, b, (8, 8), ranks)  # off by default
