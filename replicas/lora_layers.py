@@ -96,7 +96,7 @@ def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank
 # gate_up_proj's expand inside SiluAndMul (lora_core/punica/pending.py), by default for stacked steps of up to
 # 32 rows over 5+ adapters (adapter bound 16+) with slots of rank <= 16. H200, 8B gate_up, expand + silu vs
 # the fused silu: 32 rows over 10 / 16 adapters 14.9 / 18.9 -> 10.4 / 10.6 us over the base GEMM and silu,
-# 1-4 adapters 2-4 us slower (per-row B reads: no tile shares them), rank 64 slower everywhere; engine, Zipf
+# 1-4 adapters 2-4 us slower (per-row B reads: no tile shares them), rank 64 slower in 25 of 28; engine, Zipf
 # over 100 adapters: decode step 7.02 -> 6.92 ms (bench/pending_expand.py, bench/engine.py; RESULTS.md,
 # fourteenth session).
 PENDING_MAX_TOKENS = 32

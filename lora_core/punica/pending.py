@@ -5,11 +5,14 @@ columns beside the base output, so what remains of the LoRA is the expand:
 y[t] += shrunk[t, slot(t)'s columns] @ B[slot(t)]^T. As its own kernel, that
 expand is one more dependent launch per LoRA site of a decode step, whose few
 microseconds are latency (load the slot, then B and the shrink, then y, store;
-the next kernel loads y again), not bytes. The ops that read y next in a Llama
-block are pointwise (add + RMSNorm after o_proj and down_proj, SiluAndMul after
-gate_up_proj), so they can add the expand themselves: replicas.kernels.fused
-does, per row, from what a PendingExpand holds. `apply(y)` is the same expand
-as a kernel of its own, for every consumer that cannot fuse it (and the CPU).
+the next kernel loads y again), not bytes. The op that reads gate_up_proj's
+output next is SiluAndMul, a pointwise kernel with a program per row and column
+block, so it adds the expand itself (replicas.kernels.fused.silu_and_mul, from
+what a PendingExpand holds). `apply(y)` is the same expand as a kernel of its
+own, for every consumer that cannot fuse it (and the CPU). The add + RMSNorm
+after o_proj and down_proj could take theirs the same way, but that op has one
+program per row, too few to stream B: it ran slower (bench/RESULTS.md,
+fourteenth session).
 """
 
 from __future__ import annotations
