@@ -24,6 +24,8 @@ padded, static-buffer step eagerly, which is how CI tests the padding.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from typing import Any, Callable, Iterator
 
@@ -32,6 +34,25 @@ import torch
 from replicas.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
+    """torch.cuda.graph(graph, pool) with Python's garbage collector held off until the capture ends.
+
+    A collection that runs inside a capture (any allocation may start one) can free what dropped objects held,
+    such as an earlier engine's CUDA graphs and memory pool in the same process; a cudaFree or a graph's
+    destruction during a capture invalidates it (cudaErrorStreamCaptureInvalidated). A capture allocates few
+    Python objects, so the garbage waits for the collector's next run. thread_local: adapter loads on loader
+    threads may pin host memory while a capture runs."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -159,8 +180,7 @@ class DecodeGraphs:
         self._forward(self.input_ids[:batch], self.positions[:batch], meta)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: adapter loads on loader threads may pin host memory during a capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with capturing(graph, self._pool):
             logits = self._forward(self.input_ids[:batch], self.positions[:batch], meta)
             self.logits[:batch].copy_(logits)
         self._pool = graph.pool()  # every graph shares one pool: only one replays at a time

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from replicas.attention import AttentionMetadata
-from replicas.cuda_graphs import layout_keys
+from replicas.cuda_graphs import capturing, layout_keys
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class PiecewiseGraphs:
         pieces = []
         for i in range(self.num_pieces):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with capturing(graph, self._pool):
                 self._piece(i, size)
             # One pool for all: pieces replay one at a time, in capture order.
             self._pool = graph.pool()

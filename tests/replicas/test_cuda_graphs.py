@@ -19,6 +19,37 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a city far away,", "SELEC
            "def add(a, b):", "Summary:", "Translate to French: the cat"]
 
 
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_captures_hold_the_garbage_collector_off(monkeypatch, enabled_before):
+    """capturing(): no collection may run inside a capture (it could free another engine's graphs or pool,
+    which invalidates the capture); the collector's state comes back after it, also when the capture fails."""
+    import contextlib
+    import gc
+
+    from replicas import cuda_graphs
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
+        seen.append((gc.isenabled(), pool, capture_error_mode))
+        yield
+
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "graph", fake_graph)
+    was = gc.isenabled()
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        with cuda_graphs.capturing(object(), "pool"):
+            assert not gc.isenabled()
+        assert seen == [(False, "pool", "thread_local")] and gc.isenabled() == enabled_before
+        with pytest.raises(RuntimeError, match="capture failed"):
+            with cuda_graphs.capturing(object()):
+                raise RuntimeError("capture failed")
+        assert gc.isenabled() == enabled_before
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 def test_capture_sizes_cover_every_batch_up_to_the_max():
     for max_batch in (1, 3, 8, 33, 64, 100, 256):
         sizes = capture_sizes(max_batch)

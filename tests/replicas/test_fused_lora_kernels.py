@@ -32,9 +32,11 @@ RANKS = [16, 4, 8, 16, 1, 12]
 
 @pytest.fixture(scope="module", autouse=True)
 def _release_cuda_state():
-    """On a GPU, leave nothing of these tests' many small wrappers for a later CUDA graph capture in this
-    process: run after them on a cold Triton cache, tests/replicas/test_cuda_graphs.py's warm-up capture
-    failed (cudaErrorStreamCaptureInvalidated; bench/RESULTS.md, fourteenth session), cause not yet known."""
+    """On a GPU, leave no garbage of these tests for a later CUDA graph capture in this process: run after them
+    on a cold Triton cache, tests/replicas/test_cuda_graphs.py's warm-up capture failed
+    (cudaErrorStreamCaptureInvalidated), and this teardown made it pass (bench/RESULTS.md, fourteenth session).
+    The likely cause, a garbage collection inside the capture freeing an earlier engine's graphs, is what
+    replicas.cuda_graphs.capturing now prevents; drop this once a GPU run confirms it."""
     yield
     if ON_GPU:
         gc.collect()
