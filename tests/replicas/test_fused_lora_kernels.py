@@ -9,7 +9,6 @@ kernels and zeros for the reference: a kernel must never read them.
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
@@ -28,20 +27,6 @@ SLOTS, RANK = 6, 16
 # slot per row, -1 = no adapter: shared and distinct adapters, rows without one, mixed ranks (RANKS by slot)
 ROW_SLOTS = {1: [3], 5: [2, -1, 5, 2, 0], 9: [4, 4, -1, 1, 3, 0, 5, 2, -1]}
 RANKS = [16, 4, 8, 16, 1, 12]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_cuda_state():
-    """On a GPU, leave no garbage of these tests for a later CUDA graph capture in this process: run after them
-    on a cold Triton cache, tests/replicas/test_cuda_graphs.py's warm-up capture failed
-    (cudaErrorStreamCaptureInvalidated), and this teardown made it pass (bench/RESULTS.md, fourteenth session).
-    The likely cause, a garbage collection inside the capture freeing an earlier engine's graphs, is what
-    replicas.cuda_graphs.capturing now prevents; drop this once a GPU run confirms it."""
-    yield
-    if ON_GPU:
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def _randn(*shape, dtype, seed, scale=1.0):
