@@ -66,7 +66,8 @@ class EngineArgs:
     lora_compact_slots: bool = True
     # Stacked steps of up to lora_pending_max_tokens token rows over at least lora_pending_min_adapters adapters
     # (rounded up to a power of four, as CUDA graph keys hold them) leave gate_up_proj's LoRA expand to
-    # SiluAndMul, which adds it as it reads gate and up: one launch less per layer (lora_core/punica/pending.py).
+    # SiluAndMul and qkv_proj's to the rotary kernel, which add it as they read their input: two launches less
+    # per layer (lora_core/punica/pending.py).
     # None: 32 where the stacked path is on and max_lora_rank <= 16, else 0 (off) (lora_layers.pending_max_tokens).
     lora_pending_max_tokens: int | None = None
     lora_pending_min_adapters: int = 5

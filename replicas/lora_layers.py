@@ -20,8 +20,8 @@ and every slot's shrink, then the expand; larger steps run base GEMM, shrink
 and expand as above, the shrink reading A from those same rows. Stacked steps of few adapters and rows
 (PunicaWrapper's fused_max_adapters) run each layer without biases in one launch instead
 (lora_core/punica/lora_gemm.py), reading the same A rows and B slots. In stacked steps the model may ask a
-column layer for `forward_pending`: (y, the expand still owed to y), which gate_up_proj's SiluAndMul then adds
-as it reads y (lora_core/punica/pending.py; PunicaWrapper.pending_expand decides per step).
+column layer for `forward_pending`: (y, the expand still owed to y), which the op after it (SiluAndMul after
+gate_up_proj, the rotary embedding after qkv_proj) then adds as it reads y (lora_core/punica/pending.py; PunicaWrapper.pending_expand decides per step).
 """
 
 from __future__ import annotations
@@ -93,12 +93,13 @@ def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank
     return next((bound for key, bound in FUSED_MAX_ADAPTERS if key in device_name), FUSED_MAX_ADAPTERS_ELSE)
 
 
-# gate_up_proj's expand inside SiluAndMul (lora_core/punica/pending.py), by default for stacked steps of up to
-# 32 rows over 5+ adapters (adapter bound 16+) with slots of rank <= 16. H200, 8B gate_up, expand + silu vs
-# the fused silu: 32 rows over 10 / 16 adapters 14.9 / 18.9 -> 10.4 / 10.6 us over the base GEMM and silu,
-# 1-4 adapters 2-4 us slower (per-row B reads: no tile shares them), rank 64 slower in 25 of 28; engine, Zipf
-# over 100 adapters: decode step 7.02 -> 6.92 ms (bench/pending_expand.py, bench/engine.py; RESULTS.md,
-# fourteenth session).
+# gate_up_proj's expand inside SiluAndMul and qkv_proj's inside the rotary kernel (lora_core/punica/pending.py),
+# by default for stacked steps of up to 32 rows over 5+ adapters (adapter bound 16+) with slots of rank <= 16.
+# H200, 8B gate_up, expand + silu vs the fused silu: 32 rows over 10 / 16 adapters 14.9 / 18.9 -> 10.4 / 10.6 us
+# over the base GEMM and silu, 1-4 adapters 2-4 us slower (per-row B reads: no tile shares them), rank 64 slower
+# in 25 of 28; engine, Zipf over 100 adapters: decode step 7.02 -> 6.92 ms (fourteenth session). qkv's rotary
+# saves 2.1-2.6 us per site at any adapter count (H100); engine with both, Zipf 6.86 -> 6.75 ms, uniform 6.87 ->
+# 6.80 (fifteenth session). bench/pending_expand.py, bench/engine.py; bench/RESULTS.md.
 PENDING_MAX_TOKENS = 32
 PENDING_MAX_RANK = 16
 
@@ -187,7 +188,7 @@ class _LoRAWrapper(nn.Module):
             rows = st.out + bound * st.per_slot
             out = F.linear(x, st.weight[:rows], None if st.bias is None else st.bias[:rows])
             y = out[:, :st.out]
-            pending = self.punica.pending_expand(out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias) \
+            pending = self.punica.pending_expand(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias) \
                 if defer else None
             if pending is None:
                 self.punica.add_expand_stacked(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias)

@@ -5,11 +5,13 @@ columns beside the base output, so what remains of the LoRA is the expand:
 y[t] += shrunk[t, slot(t)'s columns] @ B[slot(t)]^T. As its own kernel, that
 expand is one more dependent launch per LoRA site of a decode step, whose few
 microseconds are latency (load the slot, then B and the shrink, then y, store;
-the next kernel loads y again), not bytes. The op that reads gate_up_proj's
-output next is SiluAndMul, a pointwise kernel with a program per row and column
-block, so it adds the expand itself (replicas.kernels.fused.silu_and_mul, from
-what a PendingExpand holds). `apply(y)` is the same expand as a kernel of its
-own, for every consumer that cannot fuse it (and the CPU). The add + RMSNorm
+the next kernel loads y again), not bytes. The ops that read gate_up_proj's and
+qkv_proj's outputs next are pointwise kernels with many programs per row
+(SiluAndMul; the rotary embedding, which also writes v's part in place), so
+they add the expand themselves (replicas.kernels.fused.silu_and_mul,
+replicas.kernels.lora_rotary, from what a PendingExpand holds). `apply()` is
+the same expand into y as a kernel of its own, for every consumer that cannot
+fuse it (and the CPU). The add + RMSNorm
 after o_proj and down_proj could take theirs the same way, but that op has one
 program per row, too few to stream B: it ran slower (bench/RESULTS.md,
 fourteenth session).
@@ -30,11 +32,12 @@ if TYPE_CHECKING:
 class PendingExpand:
     """y [T, sum(output_slices)] += per slice k: shrunk[t, slot's slice k] @ lora_b[slot, slice k]^T, not yet run.
 
-    shrunk [T, >= bound * S * R]: the stacked GEMM's shrink columns, slot-major, R = lora_b.shape[2] columns per
+    y: the layer's output it is owed to (consumers may get views of it); shrunk [T, >= bound * S * R]: the stacked GEMM's shrink columns, slot-major, R = lora_b.shape[2] columns per
     slice; lora_b [L, sum(n_k), R]; ranks [S, L] (columns past a slot's rank are never read); the step's slot
     per row is the PunicaWrapper's token metadata, so a PendingExpand is good for the step that made it only.
     """
     punica: PunicaWrapper
+    y: torch.Tensor
     shrunk: torch.Tensor
     lora_b: torch.Tensor
     output_slices: tuple[int, ...]
@@ -50,16 +53,30 @@ class PendingExpand:
         """R: the shrink columns of one slice of one slot."""
         return self.lora_b.shape[2]
 
-    def apply(self, y: torch.Tensor) -> None:
+    def apply(self) -> None:
         """Run the expand into y in place, as a kernel of its own (PunicaWrapper.add_expand_stacked)."""
-        self.punica.add_expand_stacked(y, self.shrunk, self.lora_b, self.output_slices, self.ranks)
+        self.punica.add_expand_stacked(self.y, self.shrunk, self.lora_b, self.output_slices, self.ranks)
 
     def fusable(self, num_slices: int, width: int) -> bool:
-        """Whether a fused consumer of num_slices slices of `width` outputs each can take this expand: the
-        layouts its kernel indexes (unit stride along the shrink's columns and along B's rank)."""
-        return (len(self.output_slices) == num_slices and all(n == width for n in self.output_slices)
-                and self.shrunk.stride(1) == 1 and self.lora_b.stride(2) == 1
-                and self.shrunk.dtype == self.lora_b.dtype)
+        """Whether a fused consumer of num_slices slices of `width` outputs each can take this expand."""
+        return self.fusable_slices((width,) * num_slices)
+
+    def fusable_slices(self, widths: tuple[int, ...]) -> bool:
+        """Whether a fused consumer of slices of these widths can take this expand: its slices, and the layouts
+        its kernel indexes (unit stride along the shrink's columns and along B's rank)."""
+        return (tuple(self.output_slices) == tuple(widths) and self.shrunk.stride(1) == 1
+                and self.lora_b.stride(2) == 1 and self.shrunk.dtype == self.lora_b.dtype)
+
+    def splits_y(self, parts: tuple[torch.Tensor, ...]) -> bool:
+        """Whether parts are y's column blocks, in order and covering it (as y.split(output_slices, -1) gives):
+        what a consumer of views of y must hand over, so that apply() reaches them."""
+        y, col = self.y, 0
+        for t in parts:
+            if t.dim() != y.dim() or t.stride() != y.stride() or t.shape[:-1] != y.shape[:-1] \
+                    or t.data_ptr() != y.data_ptr() + col * y.stride(-1) * y.element_size():
+                return False
+            col += t.shape[-1]
+        return col == y.shape[-1]
 
     def kernel_args(self) -> tuple:
         """(slots, shrunk, lora_b, ranks, shrunk row stride, shrunk slot stride, B slot stride, B row stride,

@@ -353,3 +353,14 @@ def row_expand(s_row, b_slot, rank, offs_n, n_mask, sb_n, BLOCK_R: tl.constexpr)
     w = tl.load(b_slot + offs_n[:, None].to(tl.int64) * sb_n + offs_r[None, :],
                 mask=n_mask[:, None] & r_mask[None, :], other=0.0)
     return tl.sum(w.to(tl.float32) * s[None, :], axis=1)
+
+
+@triton.jit
+def cols_expand(s_row, b_slot, rank, cols, mask, sb_n, BLOCK_R: tl.constexpr):
+    """row_expand over a 2-D block of output columns: [H, W] float32, cols [H, W] the B rows (masked by mask)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    s = tl.load(s_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+    w = tl.load(b_slot + cols[:, :, None].to(tl.int64) * sb_n + offs_r[None, None, :],
+                mask=mask[:, :, None] & r_mask[None, None, :], other=0.0)
+    return tl.sum(w.to(tl.float32) * s[None, None, :], axis=2)

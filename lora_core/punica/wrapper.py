@@ -304,8 +304,9 @@ class PunicaWrapper:
                             buf_slot_stride=num_slices * rank * col, one_tile=True,
                             bgmv=True if self._triton.use_bgmv_stacked(meta, lora_b_stacked.shape[1], rank) else None)
 
-    def pending_expand(self, shrunk: torch.Tensor, lora_b_stacked: torch.Tensor, output_slices: tuple[int, ...],
-                       ranks: torch.Tensor, lora_bias_stacked: torch.Tensor | None = None) -> PendingExpand | None:
+    def pending_expand(self, y: torch.Tensor, shrunk: torch.Tensor, lora_b_stacked: torch.Tensor,
+                       output_slices: tuple[int, ...], ranks: torch.Tensor,
+                       lora_bias_stacked: torch.Tensor | None = None) -> PendingExpand | None:
         """add_expand_stacked's arguments as a PendingExpand for the op after the layer to add (pending.py),
         or None where this step runs the expand itself: more rows than pending_max_tokens, an adapter bound
         (what the step's CUDA graph key holds of its adapter count) under pending_min_adapters, or a LoRA bias."""
@@ -313,7 +314,7 @@ class PunicaWrapper:
         if (lora_bias_stacked is not None or not 0 < t.num_rows <= self.pending_max_tokens
                 or adapter_bound(t.num_adapters, self.max_loras) < self.pending_min_adapters):
             return None
-        return PendingExpand(self, shrunk, lora_b_stacked, tuple(output_slices), ranks)
+        return PendingExpand(self, y, shrunk, lora_b_stacked, tuple(output_slices), ranks)
 
     def add_lora_embedding(self, y: torch.Tensor, token_ids: torch.Tensor, lora_a_stacked: torch.Tensor,
                            lora_b_stacked: torch.Tensor, ranks: torch.Tensor | None = None,

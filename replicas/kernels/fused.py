@@ -14,7 +14,7 @@ matches bit for bit up to the order of a float32 sum and ~1 ulp of the libm):
     silu_and_mul(x [..., 2I]) -> silu(x[..., :I]) * x[..., I:]
         (replicas.layers.norm.SiluAndMul.forward_native); with lora= (a two-slice
         lora_core.punica.pending.PendingExpand) gate and up first get each row's
-        expand, as PendingExpand.apply(x) would have added it
+        expand, as PendingExpand.apply() would have added it
     write_kv_cache(k, v [T, Hk, D], k_cache, v_cache [blocks, block_size, Hk, D], slot_mapping [T]):
         k_cache.view(-1, Hk, D)[slot[t]] = k[t] (same for v), slot -1 skipped
         (replicas.attention.write_kv)
@@ -281,7 +281,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so,
 def silu_and_mul(x: torch.Tensor, lora: PendingExpand | None = None) -> torch.Tensor:
     """x [..., 2I] = [gate | up] -> new silu(gate) * up [..., I].
 
-    lora: a two-slice expand (gate, up) still owed to x = [T, 2I], added first as lora.apply(x) would
+    lora: a two-slice expand (gate, up) still owed to x = [T, 2I], added first as lora.apply() would
     (rounded to x.dtype); x itself is left alone."""
     inter = x.shape[-1] // 2
     if lora is not None and not (x.dim() == 2 and lora.fusable(2, inter)):

@@ -201,6 +201,6 @@ class RowParallelLinear(LinearBase):
 
 def forward_pending(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, PendingExpand | None]:
     """(layer(x), None), or for a LoRA layer in a step that allows it (y, the expand it left for the op that
-    reads y next to add: SiluAndMul takes it as `lora=`; lora_core/punica/pending.py)."""
+    reads y next to add: SiluAndMul and RotaryEmbedding take it as `lora=`; lora_core/punica/pending.py)."""
     pending = getattr(layer, "forward_pending", None)
     return pending(x) if pending is not None else (layer(x), None)

@@ -62,7 +62,7 @@ class SiluAndMul(nn.Module):
         it as it reads x; elsewhere (and for any x or expand fused.silu_and_mul would refuse) it runs into x first."""
         fused = fused_ops(x)
         if lora is not None and (fused is None or x.dim() != 2 or not lora.fusable(2, x.shape[-1] // 2)):
-            lora.apply(x)
+            lora.apply()  # into x: the output it is owed to
             lora = None
         return self.forward_native(x) if fused is None else fused.silu_and_mul(x, lora=lora)
 

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from lora_core.punica.pending import PendingExpand
 from replicas.layers.norm import fused_ops
 from replicas.model_config import ModelConfigError, RopeScaling
 
@@ -59,8 +60,20 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, lora: PendingExpand | None = None,
+                v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """lora: qkv_proj's expand, left to this op (lora_core/punica/pending.py), with q, k, v views of the output
+        it is owed to: on CUDA one kernel adds it as it rotates (v in place); elsewhere it runs first."""
         fused = fused_ops(q)
+        if lora is not None:
+            if v is None or not lora.splits_y((q, k, v)):
+                raise ValueError("RotaryEmbedding takes a pending expand with q, k, v: the views of its output")
+            if fused is not None:
+                from replicas.kernels import lora_rotary  # triton: CUDA only here
+
+                if lora_rotary.fusable(lora, q, k, v):
+                    return lora_rotary.rotary_lora(positions, q, k, v, self.inv_freq, self.head_dim, lora)
+            lora.apply()
         if fused is None:
             return self.forward_native(positions, q, k)
         return fused.rotary(positions, q, k, self.inv_freq, self.head_dim)

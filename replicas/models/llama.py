@@ -44,8 +44,10 @@ class LlamaAttention(nn.Module):
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> q, k, v (rotary applied): everything before the attention proper."""
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
+        # A LoRA qkv_proj may leave its expand to the rotary kernel, which adds it as it rotates (v in place).
+        qkv, lora = forward_pending(self.qkv_proj, hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k, lora=lora, v=v)
         return q, k, v
 
 

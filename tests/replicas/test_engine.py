@@ -226,7 +226,7 @@ def test_expands_left_to_the_next_op_match_hf_peft(demo, batch, hf_reference, tp
     monkeypatch.setattr(PunicaWrapper, "pending_expand", counted)
     applied = []
     real_apply = PendingExpand.apply
-    monkeypatch.setattr(PendingExpand, "apply", lambda self, y: applied.append(1) or real_apply(self, y))
+    monkeypatch.setattr(PendingExpand, "apply", lambda self: applied.append(1) or real_apply(self))
     device = None if tp == 1 else "cuda" if torch.cuda.device_count() >= 2 else "cpu"
     llm = LLM(str(demo.model_dir), tensor_parallel_size=tp, enable_lora=True, max_loras=4, max_lora_rank=32,
               dtype="float32", lora_stacked_max_tokens=256, lora_pending_max_tokens=16, lora_pending_min_adapters=1,

@@ -17,7 +17,7 @@ from lora_core.mapping import LoRAMapping
 from lora_core.punica import PunicaWrapper
 from lora_core.punica.pending import PendingExpand
 from replicas.kernels import fused
-from replicas.layers import SiluAndMul
+from replicas.layers import RotaryEmbedding, SiluAndMul
 from tests.lora_core.punica_cases import stacked_weights
 
 ON_GPU = torch.cuda.is_available()
@@ -34,8 +34,8 @@ def _randn(*shape, dtype, seed, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
 
 
-def _pending(row_slots: list[int], slices: tuple[int, ...], dtype, seed: int, garbage: bool):
-    """A step's PendingExpand over SLOTS slots of RANKS, with shrink columns for every slot."""
+def _pending(row_slots: list[int], slices: tuple[int, ...], dtype, seed: int, garbage: bool, y: torch.Tensor):
+    """A step's PendingExpand owed to y, over SLOTS slots of RANKS, with shrink columns for every slot."""
     g = torch.Generator().manual_seed(seed)
     _, b, ranks = stacked_weights(SLOTS, RANK, 8, slices, RANKS, dtype, DEVICE, g)
     ids = list(range(1, SLOTS + 1))
@@ -46,12 +46,12 @@ def _pending(row_slots: list[int], slices: tuple[int, ...], dtype, seed: int, ga
         shrunk[:, slot, :, r:] = float("nan") if garbage else 0.0
         if garbage:
             b[slot, :, r:] = float("nan")
-    return PendingExpand(punica, shrunk.view(len(row_slots), -1), b, slices, ranks)
+    return PendingExpand(punica, y, shrunk.view(len(row_slots), -1), b, slices, ranks)
 
 
 def _reference_input(x: torch.Tensor, pending_args) -> torch.Tensor:
     want = x.clone()
-    _pending(*pending_args, garbage=False).apply(want)
+    _pending(*pending_args, garbage=False, y=want).apply()
     return want
 
 
@@ -72,7 +72,7 @@ def test_silu_and_mul_adds_the_pending_expand_to_gate_and_up(rows, inter, block,
     args = (ROW_SLOTS[rows], (inter, inter), dtype, rows + 100)
     x_before = x.clone()
 
-    out = fused.silu_and_mul(x, lora=_pending(*args, True))
+    out = fused.silu_and_mul(x, lora=_pending(*args, True, x))
     _close(out, SiluAndMul().forward_native(_reference_input(x, args)))
     assert torch.equal(x, x_before)
 
@@ -81,16 +81,17 @@ def test_rows_without_adapters_are_the_plain_op():
     """A step whose rows have no adapter: the pending expand adds nothing, bit for bit."""
     dtype, inter = torch.float16, 64
     gate_up = _randn(3, 2 * inter, dtype=dtype, seed=9)
-    assert torch.equal(fused.silu_and_mul(gate_up, lora=_pending([-1, -1, -1], (inter, inter), dtype, 8, True)),
+    assert torch.equal(fused.silu_and_mul(gate_up, lora=_pending([-1, -1, -1], (inter, inter), dtype, 8, True,
+                                                                 gate_up)),
                        fused.silu_and_mul(gate_up))
 
 
 def test_a_pending_expand_of_another_shape_is_refused():
     x = _randn(5, 128, dtype=torch.float32, seed=1)
     with pytest.raises(ValueError, match="two-slice"):
-        fused.silu_and_mul(x, lora=_pending(ROW_SLOTS[5], (64, 32, 32), torch.float32, 1, False))
+        fused.silu_and_mul(x, lora=_pending(ROW_SLOTS[5], (64, 32, 32), torch.float32, 1, False, x))
     with pytest.raises(ValueError, match="two-slice"):
-        fused.silu_and_mul(x, lora=_pending(ROW_SLOTS[5], (128,), torch.float32, 1, False))
+        fused.silu_and_mul(x, lora=_pending(ROW_SLOTS[5], (128,), torch.float32, 1, False, x))
 
 
 def test_silu_and_mul_layer_takes_a_pending_expand_on_any_device():
@@ -100,7 +101,8 @@ def test_silu_and_mul_layer_takes_a_pending_expand_on_any_device():
     for slices in ((inter, inter), (32, 96)):
         gate_up = _randn(5, 2 * inter, dtype=dtype, seed=4)
         args = (ROW_SLOTS[5], slices, dtype, 12)
-        _close(SiluAndMul()(gate_up.clone(), lora=_pending(*args, False)),
+        y = gate_up.clone()
+        _close(SiluAndMul()(y, lora=_pending(*args, False, y)),
                SiluAndMul().forward_native(_reference_input(gate_up, args)))
 
 
@@ -114,10 +116,63 @@ def test_steps_leave_expands_by_rows_adapter_bound_and_bias():
 
     def left(row_ids, bias=None):
         punica.update_metadata(LoRAMapping(row_ids, [1], False), ids)
-        return punica.pending_expand(shrunk[:len(row_ids)], b, (8, 8), ranks, bias) is not None
+        y = torch.zeros(len(row_ids), 16, device=DEVICE)
+        return punica.pending_expand(y, shrunk[:len(row_ids)], b, (8, 8), ranks, bias) is not None
 
     assert not left([1, 1, 1])  # one adapter: bound 1
     assert left([1, 2, 1]) and left([1, 2, 3, 4, 0])  # two to four adapters: bound 4
     assert not left([1, 2] * 5)  # 10 rows > 8
     assert not left([1, 2, 3], bias=torch.zeros(SLOTS, 16, device=DEVICE))
-    assert not PunicaWrapper(16, SLOTS, DEVICE).pending_expand(shrunk, b, (8, 8), ranks)  # off by default
+    assert not PunicaWrapper(16, SLOTS, DEVICE).pending_expand(shrunk[:, :16], shrunk, b, (8, 8), ranks)  # off
+
+
+HEAD_DIM, Q_HEADS, KV_HEADS = 16, 4, 2
+QKV = (Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", sorted(ROW_SLOTS))
+@pytest.mark.parametrize("heads_per_program", [1, 2, 4])
+def test_rotary_adds_the_pending_qkv_expand(rows, heads_per_program, dtype, monkeypatch):
+    """lora_rotary.rotary_lora: q and k rotated after their expand, v's expand added in place, q and k's
+    columns of the qkv output left alone."""
+    from replicas.kernels import lora_rotary
+
+    monkeypatch.setattr(lora_rotary, "LORA_ROTARY_HEADS", heads_per_program)
+    rope = RotaryEmbedding(HEAD_DIM, 10000.0).to(DEVICE)
+    qkv = _randn(rows, sum(QKV), dtype=dtype, seed=5, scale=2.0)
+    positions = (torch.arange(rows) * 37).to(DEVICE)
+    args = (ROW_SLOTS[rows], QKV, dtype, rows + 200)
+    want = _reference_input(qkv, args)
+    want_q, want_k, want_v = want.split(QKV, -1)
+    ref_q, ref_k = rope.forward_native(positions, want_q, want_k)
+
+    got = qkv.clone()
+    q, k, v = got.split(QKV, -1)
+    out_q, out_k = lora_rotary.rotary_lora(positions, q, k, v, rope.inv_freq, HEAD_DIM, _pending(*args, True, got))
+    _close(out_q, ref_q)
+    _close(out_k, ref_k)
+    _close(v, want_v)
+    assert torch.equal(got[:, :QKV[0] + QKV[1]], qkv[:, :QKV[0] + QKV[1]])
+
+
+def test_rotary_layer_takes_a_pending_expand_with_views_of_its_output():
+    """RotaryEmbedding(q, k, lora=..., v=...): the fused kernel on CUDA, the expand then forward_native elsewhere;
+    q, k, v that are not the views of the expand's output are refused (the expand would miss them)."""
+    dtype, rows = torch.float32, 5
+    rope = RotaryEmbedding(HEAD_DIM, 10000.0).to(DEVICE)
+    qkv = _randn(rows, sum(QKV), dtype=dtype, seed=6)
+    positions = torch.arange(rows).to(DEVICE)
+    args = (ROW_SLOTS[rows], QKV, dtype, 13)
+    want = _reference_input(qkv, args)
+    ref_q, ref_k = rope.forward_native(positions, *want.split(QKV, -1)[:2])
+    got = qkv.clone()
+    q, k, v = got.split(QKV, -1)
+    out_q, out_k = rope(positions, q, k, lora=_pending(*args, False, got), v=v)
+    _close(out_q, ref_q)
+    _close(out_k, ref_k)
+    _close(v, want.split(QKV, -1)[2])
+    with pytest.raises(ValueError, match="views of its output"):
+        rope(positions, q.clone(), k, lora=_pending(*args, False, got), v=v)
+    with pytest.raises(ValueError, match="views of its output"):
+        rope(positions, q, k, lora=_pending(*args, False, got))
