@@ -20,8 +20,8 @@ from lora_core.punica.pending import PendingExpand
 from lora_core.punica.triton_kernels import cols_expand, row_slot
 from replicas.kernels.fused import _cos, _launch_opts, _sin
 
-# heads per program: each holds [heads, head_dim, R] of B. 1 saved the most on an H100 (8B qkv, 16-32 rows, 1-32
-# adapters: 2.1-2.6 us per site against 0.9-2.4 with 2 and 4 heads; bench/pending_expand.py --sites qkv)
+# heads per program: each holds [heads, head_dim, R] of B. 1 saved the most on an H100 (8B qkv, 32 rows over 1-32
+# adapters: 2.1-2.6 us per site against 1.6-2.2 with 2 heads and 0.9-1.6 with 4; bench/pending_expand.py --sites qkv)
 LORA_ROTARY_HEADS = 1
 LORA_ROTARY_WARPS = 4
 
