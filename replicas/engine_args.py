@@ -68,7 +68,8 @@ class EngineArgs:
     # (rounded up to a power of four, as CUDA graph keys hold them) leave gate_up_proj's LoRA expand to
     # SiluAndMul and qkv_proj's to the rotary kernel, which add it as they read their input: two launches less
     # per layer (lora_core/punica/pending.py).
-    # None: 32 where the stacked path is on and max_lora_rank <= 16, else 0 (off) (lora_layers.pending_max_tokens).
+    # None: 32 where the stacked path is on and max_lora_rank <= 64, else 0 (off) (lora_layers.pending_max_tokens);
+    # SiluAndMul fuses slots of rank <= 16 only.
     lora_pending_max_tokens: int | None = None
     lora_pending_min_adapters: int = 5
 

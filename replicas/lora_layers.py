@@ -94,14 +94,15 @@ def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank
 
 
 # gate_up_proj's expand inside SiluAndMul and qkv_proj's inside the rotary kernel (lora_core/punica/pending.py),
-# by default for stacked steps of up to 32 rows over 5+ adapters (adapter bound 16+) with slots of rank <= 16.
-# H200, 8B gate_up, expand + silu vs the fused silu: 32 rows over 10 / 16 adapters 14.9 / 18.9 -> 10.4 / 10.6 us
-# over the base GEMM and silu, 1-4 adapters 2-4 us slower (per-row B reads: no tile shares them), rank 64 slower
-# in 25 of 28; engine, Zipf over 100 adapters: decode step 7.02 -> 6.92 ms (fourteenth session). qkv's rotary
-# saves 2.1-2.6 us per site at 1-32 adapters (H100, 32 rows); engine with both, Zipf 6.86 -> 6.75 ms, uniform 6.87 ->
+# by default for stacked steps of up to 32 rows over 5+ adapters (adapter bound 16+) with slots of rank <= 64
+# (SiluAndMul fuses only rank <= 16: fused.LORA_SILU_MAX_RANK). H200, 8B gate_up, expand + silu vs the fused
+# silu: 32 rows over 10 / 16 adapters 14.9 / 18.9 -> 10.4 / 10.6 us over the base GEMM and silu, 1-4 adapters
+# 2-4 us slower (per-row B reads: no tile shares them), rank 64 slower; engine, Zipf over 100 adapters: decode
+# step 7.02 -> 6.92 ms (fourteenth session). qkv's rotary saves 2.1-2.6 us per site at 1-32 adapters (H100, 32
+# rows), 1.1-2.9 at rank 64 from 10 adapters on (H200); engine with both, Zipf 6.86 -> 6.75 ms, uniform 6.87 ->
 # 6.80 (fifteenth session). bench/pending_expand.py, bench/engine.py; bench/RESULTS.md.
 PENDING_MAX_TOKENS = 32
-PENDING_MAX_RANK = 16
+PENDING_MAX_RANK = 64
 
 
 def pending_max_tokens(requested: int | None, stacked_tokens: int, max_lora_rank: int) -> int:

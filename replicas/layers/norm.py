@@ -59,9 +59,11 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: PendingExpand | None = None) -> torch.Tensor:
         """lora: gate_up_proj's expand, left to this op (lora_core/punica/pending.py): the fused kernel adds
-        it as it reads x; elsewhere (and for any x or expand fused.silu_and_mul would refuse) it runs into x first."""
+        it as it reads x; elsewhere (for any x or expand fused.silu_and_mul would refuse, and for slots above
+        fused.LORA_SILU_MAX_RANK, where the fused kernel is slower) it runs into x first."""
         fused = fused_ops(x)
-        if lora is not None and (fused is None or x.dim() != 2 or not lora.fusable(2, x.shape[-1] // 2)):
+        if lora is not None and (fused is None or x.dim() != 2 or not lora.fusable(2, x.shape[-1] // 2)
+                                 or lora.slice_rank > fused.LORA_SILU_MAX_RANK):
             lora.apply()  # into x: the output it is owed to
             lora = None
         return self.forward_native(x) if fused is None else fused.silu_and_mul(x, lora=lora)

@@ -178,7 +178,8 @@ def test_pending_expands_default_to_steps_of_32_rows_where_rank_16_or_lower_step
     from replicas.lora_layers import pending_max_tokens
 
     assert pending_max_tokens(None, 256, 16) == 32 and pending_max_tokens(None, 256, 8) == 32
-    assert pending_max_tokens(None, 256, 64) == 0  # measured slower at rank 64
+    assert pending_max_tokens(None, 256, 64) == 32  # the rotary fuses rank 64 (SiluAndMul refuses past 16)
+    assert pending_max_tokens(None, 256, 128) == 0
     assert pending_max_tokens(None, 0, 16) == 0 and pending_max_tokens(0, 256, 16) == 0
     assert pending_max_tokens(8, 256, 64) == 8  # asked for: as asked
     with pytest.raises(LoRAConfigError, match="lora_stacked_max_tokens"):
@@ -209,11 +210,17 @@ def test_one_launch_sites_default_to_the_devices_measured_bound_where_rank_16_st
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_expands_left_to_the_next_op_match_hf_peft(demo, batch, hf_reference, tp, monkeypatch):
-    """lora_pending_max_tokens (lora_core/punica/pending.py): gate_up_proj's expand runs in SiluAndMul (the
-    fused kernel on CUDA), with one adapter per step too (lora_pending_min_adapters=1). TP=1 and 2 (column
-    shards of B). Same tokens as HF + PEFT, and the steps did leave their expands."""
+    """lora_pending_max_tokens (lora_core/punica/pending.py): gate_up_proj's expand runs in SiluAndMul and
+    qkv_proj's in the rotary embedding (the fused kernels on CUDA, SiluAndMul's allowed these rank-32 slots),
+    with one adapter per step too (lora_pending_min_adapters=1). TP=1 and 2 (column shards of B). Same tokens
+    as HF + PEFT, and the steps did leave their expands."""
     from lora_core.punica import PunicaWrapper
     from lora_core.punica.pending import PendingExpand
+
+    if torch.cuda.is_available():
+        from replicas.kernels import fused
+
+        monkeypatch.setattr(fused, "LORA_SILU_MAX_RANK", 32)
 
     left = []
     real = PunicaWrapper.pending_expand
@@ -238,8 +245,10 @@ def test_expands_left_to_the_next_op_match_hf_peft(demo, batch, hf_reference, tp
     if tp == 1:  # the counters live in this process: rank 0 of TP=2 runs in a worker
         # gate_up_proj of each layer in each step of <= 16 rows; the prompt step (> 16 rows) expands itself
         assert sum(left) >= 4 * (STEPS - 1) and not all(left)
-        if not torch.cuda.is_available():  # on CPU RMSNorm / SiluAndMul run each left expand themselves
+        if not torch.cuda.is_available():  # on CPU SiluAndMul and the rotary run each left expand themselves
             assert len(applied) == sum(left)
+        else:  # on CUDA their kernels take every one
+            assert not applied
 
 
 @pytest.mark.parametrize("fully_sharded,stacked", [(False, 0), (True, 0), (False, 256)],

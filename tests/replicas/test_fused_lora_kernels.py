@@ -9,6 +9,7 @@ kernels and zeros for the reference: a kernel must never read them.
 
 from __future__ import annotations
 
+import types
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from lora_core.mapping import LoRAMapping
 from lora_core.punica import PunicaWrapper
 from lora_core.punica.pending import PendingExpand
 from replicas.kernels import fused
-from replicas.layers import RotaryEmbedding, SiluAndMul
+from replicas.layers import RotaryEmbedding, SiluAndMul, norm
 from tests.lora_core.punica_cases import stacked_weights
 
 ON_GPU = torch.cuda.is_available()
@@ -104,6 +105,31 @@ def test_silu_and_mul_layer_takes_a_pending_expand_on_any_device():
         y = gate_up.clone()
         _close(SiluAndMul()(y, lora=_pending(*args, False, y)),
                SiluAndMul().forward_native(_reference_input(gate_up, args)))
+
+
+def test_silu_and_mul_layer_fuses_slots_up_to_its_rank_limit(monkeypatch):
+    """SiluAndMul hands the fused kernel only expands of slots up to fused.LORA_SILU_MAX_RANK (past it the fused
+    op is slower); a larger one runs first as its own expand. The kernels module is stood in for, so the choice
+    is checked on any device (the kernel itself is tested above)."""
+    inter, dtype = 64, torch.float32
+    handed = []
+
+    def silu_and_mul(x, lora=None):
+        handed.append(lora)
+        if lora is not None:
+            lora.apply()  # into x, as the kernel adds it
+        return SiluAndMul().forward_native(x)
+
+    for max_rank, fuses in ((RANK, True), (RANK - 1, False)):
+        kernels = types.SimpleNamespace(LORA_SILU_MAX_RANK=max_rank, silu_and_mul=silu_and_mul)
+        monkeypatch.setattr(norm, "fused_ops", lambda x: kernels)
+        gate_up = _randn(5, 2 * inter, dtype=dtype, seed=4)
+        args = (ROW_SLOTS[5], (inter, inter), dtype, 12)
+        y = gate_up.clone()
+        handed.clear()
+        _close(SiluAndMul()(y, lora=_pending(*args, False, y)),
+               SiluAndMul().forward_native(_reference_input(gate_up, args)))
+        assert (handed[0] is not None) == fuses
 
 
 def test_steps_leave_expands_by_rows_adapter_bound_and_bias():
