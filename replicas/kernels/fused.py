@@ -232,6 +232,11 @@ def _rotary_kernel(pos_ptr, inv_freq_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, nu
                       HALF, BLOCK_HALF, BLOCK_H)
 
 
+def _rotated_like(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """New (q', k') for a rotary kernel's outputs: q's and k's shapes, contiguous (q and k may be views)."""
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device))
+
+
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
            head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T], q [T, Hq*head_dim], k [T, Hk*head_dim] (row strides free, e.g. views of a packed qkv),
@@ -240,8 +245,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: 
         raise ValueError(f"q is {q.dtype} but k is {k.dtype}")
     num_tokens = positions.numel()
     q2, k2 = _rows(q.reshape(num_tokens, -1)), _rows(k.reshape(num_tokens, -1))
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
-                                                                                     device=k.device)
+    q_out, k_out = _rotated_like(q, k)
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from lora_core.punica.pending import PendingExpand
 from lora_core.punica.triton_kernels import cols_expand, row_slot
-from replicas.kernels.fused import _cos, _launch_opts, _sin
+from replicas.kernels.fused import _cos, _launch_opts, _rotated_like, _sin
 
 # heads per program: each holds [heads, head_dim, R] of B. 1 saved the most on an H100 (8B qkv, 32 rows over 1-32
 # adapters: 2.1-2.6 us per site against 1.6-2.2 with 2 heads and 0.9-1.6 with 4; bench/pending_expand.py --sites qkv)
@@ -91,8 +91,7 @@ def rotary_lora(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         raise ValueError(f"rotary_lora takes the q, k, v views of the output a three-slice expand is owed to, got "
                          f"slices {lora.output_slices} for q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     num_tokens = positions.numel()
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
-                                                                                     device=k.device)
+    q_out, k_out = _rotated_like(q, k)
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2
