@@ -21,7 +21,8 @@ and expand as above, the shrink reading A from those same rows. Stacked steps of
 (PunicaWrapper's fused_max_adapters) run each layer without biases in one launch instead
 (lora_core/punica/lora_gemm.py), reading the same A rows and B slots. In stacked steps the model may ask a
 column layer for `forward_pending`: (y, the expand still owed to y), which the op after it (SiluAndMul after
-gate_up_proj, the rotary embedding after qkv_proj) then adds as it reads y (lora_core/punica/pending.py; PunicaWrapper.pending_expand decides per step).
+gate_up_proj, the rotary embedding after qkv_proj) then adds as it reads y (lora_core/punica/pending.py;
+PunicaWrapper.pending_expand decides per step).
 """
 
 from __future__ import annotations

@@ -11,10 +11,9 @@ qkv_proj's outputs next are pointwise kernels with many programs per row
 they add the expand themselves (replicas.kernels.fused.silu_and_mul,
 replicas.kernels.lora_rotary, from what a PendingExpand holds). `apply()` is
 the same expand into y as a kernel of its own, for every consumer that cannot
-fuse it (and the CPU). The add + RMSNorm
-after o_proj and down_proj could take theirs the same way, but that op has one
-program per row, too few to stream B: it ran slower (bench/RESULTS.md,
-fourteenth session).
+fuse it (and the CPU). The add + RMSNorm after o_proj and down_proj could take
+theirs the same way, but that op has one program per row, too few to stream B:
+it ran slower (bench/RESULTS.md, fourteenth session).
 """
 
 from __future__ import annotations
@@ -32,9 +31,10 @@ if TYPE_CHECKING:
 class PendingExpand:
     """y [T, sum(output_slices)] += per slice k: shrunk[t, slot's slice k] @ lora_b[slot, slice k]^T, not yet run.
 
-    y: the layer's output it is owed to (consumers may get views of it); shrunk [T, >= bound * S * R]: the stacked GEMM's shrink columns, slot-major, R = lora_b.shape[2] columns per
-    slice; lora_b [L, sum(n_k), R]; ranks [S, L] (columns past a slot's rank are never read); the step's slot
-    per row is the PunicaWrapper's token metadata, so a PendingExpand is good for the step that made it only.
+    y: the layer's output it is owed to (consumers may get views of it); shrunk [T, >= bound * S * R]: the
+    stacked GEMM's shrink columns, slot-major, R = lora_b.shape[2] columns per slice; lora_b [L, sum(n_k), R];
+    ranks [S, L] (columns past a slot's rank are never read); the step's slot per row is the PunicaWrapper's
+    token metadata, so a PendingExpand is good for the step that made it only.
     """
     punica: PunicaWrapper
     y: torch.Tensor
