@@ -57,11 +57,7 @@ class PendingExpand:
         """Run the expand into y in place, as a kernel of its own (PunicaWrapper.add_expand_stacked)."""
         self.punica.add_expand_stacked(self.y, self.shrunk, self.lora_b, self.output_slices, self.ranks)
 
-    def fusable(self, num_slices: int, width: int) -> bool:
-        """Whether a fused consumer of num_slices slices of `width` outputs each can take this expand."""
-        return self.fusable_slices((width,) * num_slices)
-
-    def fusable_slices(self, widths: tuple[int, ...]) -> bool:
+    def fusable(self, widths: tuple[int, ...]) -> bool:
         """Whether a fused consumer of slices of these widths can take this expand: its slices, and the layouts
         its kernel indexes (unit stride along the shrink's columns and along B's rank)."""
         return (tuple(self.output_slices) == tuple(widths) and self.shrunk.stride(1) == 1

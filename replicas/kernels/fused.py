@@ -286,13 +286,18 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so,
     tl.store(out_ptr + row * so + offs, (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def silu_fusable(x: torch.Tensor, lora: PendingExpand) -> bool:
+    """Whether silu_and_mul takes this expand onto x: x 2-D, the expand's two slices gate's and up's widths."""
+    return x.dim() == 2 and lora.fusable((x.shape[-1] // 2,) * 2)
+
+
 def silu_and_mul(x: torch.Tensor, lora: PendingExpand | None = None) -> torch.Tensor:
     """x [..., 2I] = [gate | up] -> new silu(gate) * up [..., I].
 
     lora: a two-slice expand (gate, up) still owed to x = [T, 2I], added first as lora.apply() would
     (rounded to x.dtype); x itself is left alone."""
     inter = x.shape[-1] // 2
-    if lora is not None and not (x.dim() == 2 and lora.fusable(2, inter)):
+    if lora is not None and not silu_fusable(x, lora):
         raise ValueError(f"silu_and_mul takes two-slice expands of {inter} outputs each onto [T, {2 * inter}] "
                          f"rows, got slices {lora.output_slices} onto {tuple(x.shape)}")
     x2 = _rows(x)

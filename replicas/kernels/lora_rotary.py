@@ -80,7 +80,7 @@ def fusable(lora: PendingExpand, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Whether rotary_lora can take this expand for these q, k, v: 2-D views of its output y = [q | k | v]
     (unit stride along columns), its three slices their widths."""
     return (lora.y.dim() == 2 and lora.y.stride(1) == 1 and lora.splits_y((q, k, v))
-            and lora.fusable_slices((q.shape[-1], k.shape[-1], v.shape[-1])))
+            and lora.fusable((q.shape[-1], k.shape[-1], v.shape[-1])))
 
 
 def rotary_lora(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,

@@ -62,7 +62,7 @@ class SiluAndMul(nn.Module):
         it as it reads x; elsewhere (for any x or expand fused.silu_and_mul would refuse, and for slots above
         fused.LORA_SILU_MAX_RANK, where the fused kernel is slower) it runs into x first."""
         fused = fused_ops(x)
-        if lora is not None and (fused is None or x.dim() != 2 or not lora.fusable(2, x.shape[-1] // 2)
+        if lora is not None and (fused is None or not fused.silu_fusable(x, lora)
                                  or lora.slice_rank > fused.LORA_SILU_MAX_RANK):
             lora.apply()  # into x: the output it is owed to
             lora = None

@@ -121,7 +121,8 @@ def test_silu_and_mul_layer_fuses_slots_up_to_its_rank_limit(monkeypatch):
         return SiluAndMul().forward_native(x)
 
     for max_rank, fuses in ((RANK, True), (RANK - 1, False)):
-        kernels = types.SimpleNamespace(LORA_SILU_MAX_RANK=max_rank, silu_and_mul=silu_and_mul)
+        kernels = types.SimpleNamespace(LORA_SILU_MAX_RANK=max_rank, silu_fusable=fused.silu_fusable,
+                                        silu_and_mul=silu_and_mul)
         monkeypatch.setattr(norm, "fused_ops", lambda x: kernels)
         gate_up = _randn(5, 2 * inter, dtype=dtype, seed=4)
         args = (ROW_SLOTS[5], (inter, inter), dtype, 12)
