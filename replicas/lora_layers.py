@@ -195,6 +195,9 @@ class _LoRAWrapper(nn.Module):
             if pending is None:
                 self.punica.add_expand_stacked(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias)
             return y, out, pending
+        if self.base.forward_bias is None:  # the base GEMM adds into the expand's delta (PunicaWrapper.lora_linear)
+            y = self.punica.lora_linear(x, self.base.weight, b.lora_a, b.lora_b, b.bias, b.output_slices, b.ranks)
+            return y, y, None
         y = self.base.base_forward(x)
         self.punica.add_lora_linear(y, x, b.lora_a, b.lora_b, b.bias, 1.0, b.output_slices, b.ranks)
         return y, y, None

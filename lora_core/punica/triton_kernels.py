@@ -138,42 +138,71 @@ def shrink_kernel(
 
 
 @triton.jit
+def _zero_base_rows(y_ptr, sorted_ptr, tile_start_ptr, num_tiles, num_rows, block, y_col_offset, n_lo, n_hi, n_per_prog,
+                    sy_t, sy_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Zeros to block `block` of the rows with no adapter, over this program's column chunk of one slice.
+
+    Slot -1 sorts first, so those rows are sorted_idx[:n] with n the first real tile's start (every row
+    when no tile is real)."""
+    n_base = tl.where(num_tiles > 0, tl.load(tile_start_ptr), num_rows)
+    start = block * BLOCK_M
+    if start >= n_base:
+        return
+    tok, m_mask = _tile_tokens(sorted_ptr, start, n_base, BLOCK_M)
+    n_begin = n_lo + tl.program_id(1) * n_per_prog
+    n_end = tl.minimum(n_begin + n_per_prog, n_hi)
+    y_rows = y_ptr + tok[:, None].to(tl.int64) * sy_t
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+    for n in range(n_begin, n_end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        tl.store(y_rows + (y_col_offset + offs_n[None, :]) * sy_n, zeros, mask=m_mask[:, None] & (offs_n < n_end)[None, :])
+
+
+@triton.jit
 def expand_kernel(
     buf_ptr, b_ptr, y_ptr, ranks_ptr, slice_off_ptr, bias_ptr,
     sorted_ptr, tile_lora_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    y_col_offset, shrink_splits, split_cap, shrink_target, n_blocks, target,
+    y_col_offset, shrink_splits, split_cap, shrink_target, n_blocks, target, planned_tiles, num_rows,
     sb_split, sb_s, sb_t, sb_r, sb_l,
     sw_l, sw_n, sw_r,
     sy_t, sy_n,
     sr_s, sbias_l,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, USE_PDL: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, ZERO_BASE: tl.constexpr,
 ):
     """y[tok, off + n] (+)= sum_split buf[split, s, tok, :rank] @ B[slot, n, :rank]^T (+ bias).
 
-    As in the shrink, the (tile, chunk) plane of programs is dealt out over
-    the real tiles on the device: each real tile's n_blocks column blocks
-    split into chunks, a program streaming its chunk's B tiles in BLOCK_N
-    steps after one metadata look-up. The shrink's split count is dealt
-    again from its launch (shrink_splits per tile, split_cap; both 1 when buf
-    holds one partial, as from add_expand).
+    As in the shrink, the (tile, chunk) plane of programs (planned_tiles x the
+    grid's second axis) is dealt out over the real tiles on the device: each
+    real tile's n_blocks column blocks split into chunks, a program streaming
+    its chunk's B tiles in BLOCK_N steps after one metadata look-up. The
+    shrink's split count is dealt again from its launch (shrink_splits per
+    tile, split_cap; both 1 when buf holds one partial, as from add_expand).
+    ZERO_BASE: the grid's first axis holds cdiv(num_rows, BLOCK_M) more
+    programs, which write zeros to the rows with no adapter, so that y holds
+    the whole delta for a base GEMM to add into (PunicaWrapper.lora_linear).
     """
     num_tiles = tl.load(num_tiles_ptr)
     num_slices = tl.num_programs(2)
-    chunks = _deal(num_tiles, tl.num_programs(1), num_slices, tl.num_programs(0) * tl.num_programs(1),
-                   target, n_blocks)
+    s = tl.program_id(2)
+    n_lo = tl.load(slice_off_ptr + s)
+    n_hi = tl.load(slice_off_ptr + s + 1)
+    if ZERO_BASE:
+        if tl.program_id(0) >= planned_tiles:
+            _zero_base_rows(y_ptr, sorted_ptr, tile_start_ptr, num_tiles, num_rows, tl.program_id(0) - planned_tiles,
+                            y_col_offset, n_lo, n_hi, BLOCK_N * tl.cdiv(n_blocks, tl.num_programs(1)), sy_t, sy_n,
+                            BLOCK_M, BLOCK_N)
+            return
+    chunks = _deal(num_tiles, tl.num_programs(1), num_slices, planned_tiles * tl.num_programs(1), target, n_blocks)
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     if pid >= num_tiles * chunks:
         return
     tile = pid // chunks
     chunk = pid % chunks
     n_per_prog = BLOCK_N * tl.cdiv(n_blocks, chunks)
-    split_k = _deal(num_tiles, shrink_splits, num_slices, tl.num_programs(0) * shrink_splits, shrink_target, split_cap)
-    s = tl.program_id(2)
+    split_k = _deal(num_tiles, shrink_splits, num_slices, planned_tiles * shrink_splits, shrink_target, split_cap)
     lora, start, end = _tile(tile_lora_ptr, tile_start_ptr, tile_end_ptr, tile)
-    n_lo = tl.load(slice_off_ptr + s)
-    n_hi = tl.load(slice_off_ptr + s + 1)
     if lora < 0:
         return
     n_begin = n_lo + chunk * n_per_prog

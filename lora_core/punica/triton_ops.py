@@ -144,7 +144,9 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int,
         chunk = 1 << (-(-hidden // split_k) - 1).bit_length()
         block_k = max(block_k, min(chunk, BGMV_SHRINK_TILE // _block_r(rank)))
         return block_k, split_k, split_k
-    block_k = 128 if _block_r(rank) >= 64 else 256
+    # 256-wide K steps of 32-64-row tiles hold one program per SM (3 stages of a 32 KB x tile): at prompt
+    # sizes the shrink then waits on each wave's loads. H200, T = 2,048 Zipf, rank 16: o_proj 35.5 -> 14.5 us.
+    block_k = 128 if _block_r(rank) >= 64 or meta.block_m >= 32 else 256
     k_blocks = max(1, -(-hidden // block_k))
     cap = max(1, min(k_blocks, 32, SPLIT_ROWS // _block_r(rank)))
     planned = max(1, min(k_blocks, -(-_TARGET_PROGRAMS // (_slot_bound_tiles(meta) * num_slices)), 32))
@@ -152,14 +154,29 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int,
     return block_k, split_k, max(split_k, cap)
 
 
-def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int, bgmv: bool | None = None) -> tuple[int, int]:
+# SGMV expand columns per step for tiles of 32 rows or more (prompt-sized steps): {reads y back: BLOCK_N}. y's loads
+# are not pipelined, so where the expand reads y each step waits for them, and narrow steps keep more of them in
+# flight; a write-only expand streams its stores best in wide steps. H200, rank 16, Zipf rows, 8B sites, per site:
+# T = 1,024 qkv 39.7 -> 28.2 us (read back, 128 -> 64 columns), gate_up 125.1 -> 52.1 (written, 256), T = 2,048
+# gate_up 198.8 -> 94.3 (bench/delta_first.py, RESULTS.md sixteenth session).
+_SGMV_EXPAND_BLOCK_N = {True: 64, False: 256}
+
+
+def expand_config(meta: PunicaMetadata, max_slice: int, num_slices: int, bgmv: bool | None = None,
+                  add_inputs: bool = True) -> tuple[int, int]:
     """(BLOCK_N, N_PER_PROG): enough programs to fill the GPU, each streaming several B tiles.
 
     SGMV: the grid holds max_slice / N_PER_PROG chunks for each of max_tiles tiles (planned as if
     every slot could be in the step, _slot_bound_tiles); the device deals that plane out over the
-    real tiles (expand_kernel)."""
+    real tiles (expand_kernel). Tiles of 32 rows or more take 64 columns where y is read back and 256
+    where it is only written (_SGMV_EXPAND_BLOCK_N)."""
     bgmv = use_bgmv(meta) if bgmv is None else bgmv
-    block_n = 64 if bgmv or meta.block_m > 32 else 128
+    if bgmv:
+        block_n = 64
+    elif meta.block_m >= 32:
+        block_n = _SGMV_EXPAND_BLOCK_N[add_inputs]
+    else:
+        block_n = 128
     n_blocks = -(-max_slice // block_n)
     programs = (meta.num_rows if bgmv else _slot_bound_tiles(meta)) * num_slices
     chunks = max(1, min(n_blocks, -(-2 * _TARGET_PROGRAMS // programs)))
@@ -225,18 +242,23 @@ def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torc
 def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
            slice_offsets: torch.Tensor, max_slice: int, meta: PunicaMetadata, offset_start: int,
            bias: torch.Tensor | None, add_inputs: bool, use_pdl: bool = False, shrink_splits: int = 1,
-           buf_slot_stride: int = 0, bgmv: bool | None = None, one_tile: bool = False) -> None:
+           buf_slot_stride: int = 0, bgmv: bool | None = None, one_tile: bool = False,
+           zero_base: bool = False) -> None:
     """y[:, offset_start + slice] (+)= sum over splits of buf [split, S, T, R] @ lora_b [L, N, R]^T.
 
     use_pdl: launched right after this step's shrink, which triggered it. shrink_splits: that
     shrink's grid splits (shrink_config), from which SGMV knows how many partials it wrote.
     one_tile: a program per B tile (stacked_expand_config), for a stacked step's expand.
+    zero_base (SGMV, with add_inputs False): rows with no adapter get zeros, so y is the whole delta.
     """
     split_k, num_slices, _, rank = buf.shape
     if meta.num_rows == 0:
         return
     bgmv = use_bgmv(meta) if bgmv is None else bgmv
-    block_n, n_per_prog = stacked_expand_config(rank) if one_tile else expand_config(meta, max_slice, num_slices, bgmv)
+    if zero_base and (bgmv or one_tile or add_inputs):
+        raise ValueError("zero_base is for SGMV expands that write y (add_inputs=False)")
+    block_n, n_per_prog = stacked_expand_config(rank) if one_tile else expand_config(
+        meta, max_slice, num_slices, bgmv, add_inputs)
     if bgmv and split_k == _pow2_floor(split_k):
         bgmv_expand_kernel[(meta.num_rows, -(-max_slice // n_per_prog), num_slices)](
             buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b, meta.slots,
@@ -250,18 +272,19 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
             num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
         )
         return
-    grid = (meta.max_tiles, -(-max_slice // n_per_prog), num_slices)
+    zero_blocks = -(-meta.num_rows // meta.block_m) if zero_base else 0
+    grid = (meta.max_tiles + zero_blocks, -(-max_slice // n_per_prog), num_slices)
     expand_kernel[grid](
         buf, lora_b, y, ranks, slice_offsets, bias if bias is not None else lora_b,
         meta.sorted_idx, meta.tile_lora, meta.tile_start, meta.tile_end, meta.num_tiles,
         offset_start, shrink_splits, split_k, _deal_target(DEAL_SHRINK_PROGRAMS, meta), -(-max_slice // block_n),
-        _deal_target(DEAL_EXPAND_PROGRAMS, meta),
+        _deal_target(DEAL_EXPAND_PROGRAMS, meta), meta.max_tiles, meta.num_rows,
         *buf.stride(), buf_slot_stride,
         *lora_b.stride(),
         y.stride(0), y.stride(1),
         ranks.stride(0), bias.stride(0) if bias is not None else 0,
         BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=_block_r(rank),
         HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
-        IEEE=lora_b.dtype == torch.float32,
+        IEEE=lora_b.dtype == torch.float32, ZERO_BASE=zero_base,
         num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
     )

@@ -15,26 +15,21 @@ LoRAMapping, so it never syncs; a CUDA graph is captured per choice).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from lora_core.errors import UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.punica import torch_ops
+from lora_core.punica.layouts import StepLayouts
 from lora_core.punica.metadata import PunicaMetadata, adapter_bound
 from lora_core.punica.pending import PendingExpand
 
 BACKENDS = ("auto", "triton", "torch")
 
 
-class StepLayout(NamedTuple):
-    """What set_decode_layout needs to give a synthetic step a launch key: its adapters and slot bound."""
-    num_adapters: int
-    slot_bound: int | None = None
-
-
-class PunicaWrapper:
+class PunicaWrapper(StepLayouts):
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str,
                  max_num_prompts: int | None = None, backend: str = "auto", bgmv_max_tokens: int = 32,
                  use_pdl: bool | None = None, stacked_max_tokens: int = 0,
@@ -165,52 +160,6 @@ class PunicaWrapper:
              t.num_active, max_active=maxa)
         return y
 
-    def token_layouts(self, num_rows: int) -> dict[tuple, StepLayout]:
-        """Every token_launch_key of a step of num_rows token rows -> a layout giving it (apply_layout)."""
-        return self._layouts(num_rows, with_sampler=False)
-
-    def decode_layouts(self, num_rows: int) -> dict[tuple, StepLayout]:
-        """Every launch key a decode step of num_rows sequences can have -> a layout giving it."""
-        return self._layouts(num_rows, with_sampler=True)
-
-    def _layouts(self, num_rows: int, with_sampler: bool) -> dict[tuple, StepLayout]:
-        out: dict[tuple, StepLayout] = {}
-        for adapters in range(min(num_rows, self.max_loras) + 1):
-            bounds = [adapter_bound(adapters, self.max_loras)]  # and every power of four above it
-            while bounds[-1] < self.max_loras:
-                bounds.append(adapter_bound(bounds[-1] + 1, self.max_loras))
-            for bound in bounds:
-                key = self.token_meta.launch_key(num_rows, adapters) + self._stacked_key(num_rows, adapters, bound)
-                if with_sampler:
-                    key += self.sampler_meta.launch_key(num_rows, adapters)
-                out.setdefault(key, StepLayout(adapters, bound))
-        return out
-
-    def apply_layout(self, num_rows: int, layout: StepLayout, num_sampled: int | None = None) -> None:
-        """set_decode_layout for one of token_layouts' or decode_layouts' values."""
-        self.set_decode_layout(num_rows, layout.num_adapters, num_sampled, slot_bound=layout.slot_bound)
-
-    def set_decode_layout(self, num_rows: int, num_adapters: int, num_sampled: int | None = None,
-                          slot_bound: int | None = None) -> None:
-        """Metadata of a synthetic step: num_rows rows over num_adapters slots (0: no LoRA), the highest
-        of them slot_bound - 1 (default: num_adapters - 1).
-
-        For warming up before traffic (compiling kernels, capturing CUDA
-        graphs): both depend on the launch parameters only, not on which
-        weights the slots hold. num_sampled rows (default: all, as in decode)
-        go through the LM head.
-        """
-        top = max(num_adapters, slot_bound or 0)
-
-        def slots(n: int) -> list[int]:
-            return [top - num_adapters + i % num_adapters if num_adapters else -1 for i in range(n)]
-
-        sampled = num_rows if num_sampled is None else num_sampled
-        bound = adapter_bound(top, self.max_loras)
-        self.token_meta.update(slots(num_rows), num_adapters, bound)
-        self.sampler_meta.update(slots(sampled), min(num_adapters, sampled), bound)
-        self.is_prefill = num_sampled is not None
-
     # ---- the ops --------------------------------------------------------------------------
 
     def add_shrink(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor, scale: float,
@@ -269,13 +218,48 @@ class PunicaWrapper:
         if meta.num_rows == 0:
             return
         bgmv = self._triton.use_bgmv_site(meta, x.shape[1], sum(output_slices), rank)
-        block_k, split_k, split_cap = self._triton.shrink_config(meta, x.shape[1], num_slices, rank, bgmv)
+        buf, splits = self._shrink_partials(x, lora_a_stacked, ranks, scale, meta, bgmv)
+        self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
+                            meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
+                            shrink_splits=splits, bgmv=bgmv)
+
+    def _shrink_partials(self, x: torch.Tensor, lora_a_stacked: torch.Tensor, ranks: torch.Tensor, scale: float,
+                         meta: PunicaMetadata, bgmv: bool) -> tuple[torch.Tensor, int]:
+        """The Triton shrink into the workspace: ([cap, S, T, R] partials, the grid's K splits, which the
+        expand must be told to know how many partials each tile holds)."""
+        num_slices, _, rank, hidden = lora_a_stacked.shape
+        block_k, split_k, split_cap = self._triton.shrink_config(meta, hidden, num_slices, rank, bgmv)
         buf = self._buffer((split_cap, num_slices, meta.num_rows, rank))
         self._triton.shrink(buf, x, lora_a_stacked, ranks, meta, scale,
                             accumulate=False, split_k=split_k, block_k=block_k, use_pdl=self.use_pdl, bgmv=bgmv)
+        return buf, split_k
+
+    def lora_linear(self, x: torch.Tensor, weight: torch.Tensor, lora_a_stacked: torch.Tensor,
+                    lora_b_stacked: torch.Tensor, lora_bias_stacked: torch.Tensor | None = None,
+                    output_slices: tuple[int, ...] | None = None, ranks: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T plus add_lora_linear's LoRA (scale 1), as a new [T, N] tensor; weight [N, H].
+
+        Where the step's site runs SGMV, the expand goes first and writes the delta into the new tensor
+        (zeros on rows with no adapter), and the base GEMM adds into it as cuBLAS's C operand: the expand
+        then never reads y back, which at prompt sizes cost it half its time (bench/delta_first.py)."""
+        meta = self.token_meta
+        x = self._rows(x, meta)
+        num_slices, _, rank, hidden = lora_a_stacked.shape
+        output_slices = tuple(output_slices or (lora_b_stacked.shape[1],))
+        if (self.backend != "triton" or meta.num_rows == 0
+                or self._triton.use_bgmv_site(meta, hidden, sum(output_slices), rank)):
+            y = torch.nn.functional.linear(x, weight)
+            self.add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, lora_bias_stacked, 1.0, output_slices, ranks)
+            return y
+        _check_same_dtype(x, lora_a_stacked, "lora_linear")
+        self._check_slices(lora_b_stacked, output_slices, num_slices)
+        ranks = self._ranks(ranks, num_slices, lora_a_stacked.shape[1], rank)
+        y = torch.empty(meta.num_rows, weight.shape[0], dtype=x.dtype, device=x.device)
+        buf, splits = self._shrink_partials(x, lora_a_stacked, ranks, 1.0, meta, bgmv=False)
         self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
-                            meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
-                            shrink_splits=split_k, bgmv=bgmv)
+                            meta, 0, lora_bias_stacked, add_inputs=False, use_pdl=self.use_pdl,
+                            shrink_splits=splits, bgmv=False, zero_base=True)
+        return y.addmm_(x, weight.t())
 
     def add_expand_stacked(self, y: torch.Tensor, shrunk: torch.Tensor, lora_b_stacked: torch.Tensor,
                            output_slices: tuple[int, ...], ranks: torch.Tensor,

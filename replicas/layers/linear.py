@@ -49,6 +49,11 @@ class LinearBase(nn.Module):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def forward_bias(self) -> torch.Tensor | None:
+        """The bias base_forward adds (x @ weight^T + forward_bias), if any."""
+        return self.bias
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         raise NotImplementedError
 
@@ -173,6 +178,10 @@ class RowParallelLinear(LinearBase):
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+    @property
+    def forward_bias(self) -> None:
+        return None  # reduce() adds it, once
 
     def reduce(self, y: torch.Tensor, whole: torch.Tensor | None = None) -> torch.Tensor:
         """All-reduce the partial sums y (then add the bias once). whole: a contiguous tensor whose leading
