@@ -145,7 +145,8 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int,
         block_k = max(block_k, min(chunk, BGMV_SHRINK_TILE // _block_r(rank)))
         return block_k, split_k, split_k
     # 256-wide K steps of 32-64-row tiles hold one program per SM (3 stages of a 32 KB x tile): at prompt
-    # sizes the shrink then waits on each wave's loads. H200, T = 2,048 Zipf, rank 16: o_proj 35.5 -> 14.5 us.
+    # sizes the shrink then waits on each wave's loads. H200, T = 2,048 Zipf, rank 16: o_proj 35.5 -> 14.5 us
+    # (bench/sgmv_plans.py).
     block_k = 128 if _block_r(rank) >= 64 or meta.block_m >= 32 else 256
     k_blocks = max(1, -(-hidden // block_k))
     cap = max(1, min(k_blocks, 32, SPLIT_ROWS // _block_r(rank)))
@@ -158,7 +159,7 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int,
 # are not pipelined, so where the expand reads y each step waits for them, and narrow steps keep more of them in
 # flight; a write-only expand streams its stores best in wide steps. H200, rank 16, Zipf rows, 8B sites, per site:
 # T = 1,024 qkv 39.7 -> 28.2 us (read back, 128 -> 64 columns), gate_up 125.1 -> 52.1 (written, 256), T = 2,048
-# gate_up 198.8 -> 94.3 (bench/delta_first.py, RESULTS.md sixteenth session).
+# gate_up 198.8 -> 94.3 (bench/sgmv_plans.py, RESULTS.md sixteenth session).
 _SGMV_EXPAND_BLOCK_N = {True: 64, False: 256}
 
 
