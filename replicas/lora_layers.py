@@ -16,8 +16,9 @@ layers all-gather the [S, T, r/tp] shrink buffer, row layers all-reduce the
 Stacked A (lora_core/stacked_a.py; not with fully_sharded_loras under TP): a
 linear layer's A slots sit as extra rows under its base weight, so steps of
 up to PunicaWrapper.stacked_max_tokens rows run one GEMM for the base output
-and every slot's shrink, then the expand; larger steps run base GEMM, shrink
-and expand as above, the shrink reading A from those same rows. Stacked steps of few adapters and rows
+and every slot's shrink, then the expand; larger steps run shrink, expand and
+base GEMM (PunicaWrapper.lora_linear: the expand writes the delta, the GEMM adds
+into it), the shrink reading A from those same rows. Stacked steps of few adapters and rows
 (PunicaWrapper's fused_max_adapters) run each layer without biases in one launch instead
 (lora_core/punica/lora_gemm.py), reading the same A rows and B slots. In stacked steps the model may ask a
 column layer for `forward_pending`: (y, the expand still owed to y), which the op after it (SiluAndMul after
