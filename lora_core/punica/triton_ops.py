@@ -121,6 +121,14 @@ def _k_steps(hidden: int, split_k: int, block_k: int) -> int:
     return -(-(-(-hidden // split_k)) // block_k)
 
 
+# Most K splits for tiles of 32 rows or more (prompt-sized steps): each split leaves a partial that every expand
+# program of the tile reads back in turn, and such steps have tiles enough to fill the GPU with fewer splits.
+# H200, rank 16, Zipf, the four 8B sites' lora_linear extra per layer at 512 / 1,024 / 2,048 rows: 126.4 / 154.6 /
+# 274.3 us with 32, 118.2 / 145.8 / 272.8 with 8 (4: 121.6 / 151.6 / 306.8; bench/delta_first.py, RESULTS.md
+# sixteenth session). 0: 32.
+SGMV_TALL_MAX_SPLITS = 8
+
+
 def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int,
                   bgmv: bool | None = None) -> tuple[int, int, int]:
     """(BLOCK_K, grid splits, split cap) for a shrink: split H so decode launches fill the GPU.
@@ -149,8 +157,9 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int,
     # (bench/sgmv_plans.py).
     block_k = 128 if _block_r(rank) >= 64 or meta.block_m >= 32 else 256
     k_blocks = max(1, -(-hidden // block_k))
-    cap = max(1, min(k_blocks, 32, SPLIT_ROWS // _block_r(rank)))
-    planned = max(1, min(k_blocks, -(-_TARGET_PROGRAMS // (_slot_bound_tiles(meta) * num_slices)), 32))
+    most = 32 if meta.block_m < 32 or not SGMV_TALL_MAX_SPLITS else SGMV_TALL_MAX_SPLITS
+    cap = max(1, min(k_blocks, most, SPLIT_ROWS // _block_r(rank)))
+    planned = max(1, min(k_blocks, -(-_TARGET_PROGRAMS // (_slot_bound_tiles(meta) * num_slices)), most))
     split_k = max(planned, _dealt(DEAL_SHRINK_PROGRAMS, meta, num_slices, cap))
     return block_k, split_k, max(split_k, cap)
 
