@@ -155,7 +155,8 @@ def _zero_base_rows(y_ptr, sorted_ptr, tile_start_ptr, num_tiles, num_rows, bloc
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
     for n in range(n_begin, n_end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
-        tl.store(y_rows + (y_col_offset + offs_n[None, :]) * sy_n, zeros, mask=m_mask[:, None] & (offs_n < n_end)[None, :])
+        mask = m_mask[:, None] & (offs_n < n_end)[None, :]
+        tl.store(y_rows + (y_col_offset + offs_n[None, :]) * sy_n, zeros, mask=mask)
 
 
 @triton.jit
