@@ -191,10 +191,9 @@ def expand_kernel(
     n_hi = tl.load(slice_off_ptr + s + 1)
     if ZERO_BASE:
         if tl.program_id(0) >= planned_tiles:
-            if USE_PDL:
-                # y is new memory: the allocator may have just freed it from a tensor that the kernel before the
-                # shrink (which may still run beside us) reads. Tile programs wait before their writes too.
-                tl.extra.cuda.gdc_wait()
+            # y is new memory: the allocator may have just freed it from a tensor that the kernel before the
+            # shrink (which may still run beside us) reads. Tile programs wait before their writes too.
+            _pdl_wait(USE_PDL)
             _zero_base_rows(y_ptr, sorted_ptr, tile_start_ptr, num_tiles, num_rows, tl.program_id(0) - planned_tiles,
                             y_col_offset, n_lo, n_hi, BLOCK_N * tl.cdiv(n_blocks, tl.num_programs(1)), sy_t, sy_n,
                             BLOCK_M, BLOCK_N)
