@@ -21,9 +21,9 @@ base GEMM (PunicaWrapper.lora_linear: the expand writes the delta, the GEMM adds
 into it), the shrink reading A from those same rows. Stacked steps of few adapters and rows
 (PunicaWrapper's fused_max_adapters) run each layer without biases in one launch instead
 (lora_core/punica/lora_gemm.py), reading the same A rows and B slots. In stacked steps the model may ask a
-column layer for `forward_pending`: (y, the expand still owed to y), which the op after it (SiluAndMul after
-gate_up_proj, the rotary embedding after qkv_proj) then adds as it reads y (lora_core/punica/pending.py;
-PunicaWrapper.pending_expand decides per step).
+layer for `forward_pending`: (y, the expand still owed to y), which the op after it (SiluAndMul after
+gate_up_proj, the rotary embedding after qkv_proj, the add + RMSNorm after o_proj and down_proj) then adds as
+it reads y (lora_core/punica/pending.py; PunicaWrapper.pending_expand decides per step).
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank
 # 2-4 us slower (per-row B reads: no tile shares them), rank 64 slower; engine, Zipf over 100 adapters: decode
 # step 7.02 -> 6.92 ms (fourteenth session). qkv's rotary saves 2.1-2.6 us per site at 1-32 adapters (H100, 32
 # rows), 1.1-2.9 at rank 64 from 10 adapters on (H200); engine with both, Zipf 6.86 -> 6.75 ms, uniform 6.87 ->
-# 6.80 (fifteenth session). bench/pending_expand.py, bench/engine.py; bench/RESULTS.md.
+# 6.80 (fifteenth session). o_proj's and down_proj's inside the add + RMSNorm after them (rank <= 16:
+# lora_norm.LORA_NORM_MAX_RANK): 0.7-1.1 us per site at 24-32 rows over 10-32 adapters (H200, seventeenth
+# session). bench/pending_expand.py, bench/engine.py; bench/RESULTS.md.
 PENDING_MAX_TOKENS = 32
 PENDING_MAX_RANK = 64
 
@@ -225,6 +227,18 @@ class ColumnParallelLinearWithLoRA(_LoRAWrapper):
 
 
 class RowParallelLinearWithLoRA(_LoRAWrapper):
+    def forward_pending(self, x: torch.Tensor) -> tuple[torch.Tensor, PendingExpand | None]:
+        """(y, the expand left to the add + RMSNorm after this layer, or None): see replicas.layers.forward_pending.
+        The all-reduce sums the shrink columns with y (they are the whole output's), so the expand left over
+        runs once on the full shrink, after it, as the unreduced expands would have summed to. Not with a base
+        bias (reduce() would return a new tensor, not the y the expand is owed to)."""
+        base = self.base
+        if not self.punica.token_meta.num_adapters or self.sharded or base.bias is not None \
+                or (base.tp_size > 1 and not base.reduce_results):
+            return self(x), None
+        y, whole, pending = self._linear_with_lora(x, defer=True)
+        return base.reduce(y, whole), pending
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # y is this rank's partial sum, before the all-reduce: its LoRA joins it there.
         if not self.punica.token_meta.num_adapters:

@@ -9,11 +9,14 @@ the next kernel loads y again), not bytes. The ops that read gate_up_proj's and
 qkv_proj's outputs next are pointwise kernels with many programs per row
 (SiluAndMul; the rotary embedding, which also writes v's part in place), so
 they add the expand themselves (replicas.kernels.fused.silu_and_mul,
-replicas.kernels.lora_rotary, from what a PendingExpand holds). `apply()` is
-the same expand into y as a kernel of its own, for every consumer that cannot
-fuse it (and the CPU). The add + RMSNorm after o_proj and down_proj could take
-theirs the same way, but that op has one program per row, too few to stream B:
-it ran slower (bench/RESULTS.md, fourteenth session).
+replicas.kernels.lora_rotary, from what a PendingExpand holds). So does the
+add + RMSNorm after o_proj and down_proj (replicas.kernels.lora_norm), whose
+norm needs whole rows: its programs take column chunks as the expand kernel
+does and meet per row through PunicaWrapper.arrival_workspace (a first version
+with one program per row streamed each row's whole B and ran slower;
+bench/RESULTS.md, fourteenth and seventeenth sessions). `apply()` is the same
+expand into y as a kernel of its own, for every consumer that cannot fuse it
+(and the CPU).
 """
 
 from __future__ import annotations

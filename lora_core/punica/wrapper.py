@@ -70,6 +70,8 @@ class PunicaWrapper(StepLayouts):
         self._workspace = torch.empty(0, dtype=torch.float32, device=self.device)
         # Outgrown workspaces stay alive: a captured CUDA graph may still write into one.
         self._retired: list[torch.Tensor] = []
+        self._arrivals = (torch.empty(0, dtype=torch.int32, device=self.device),
+                          torch.empty(0, dtype=torch.float32, device=self.device))
         self._slice_offsets: dict[tuple[int, ...], torch.Tensor] = {}
         self._full_ranks: dict[tuple[int, int, int], torch.Tensor] = {}
 
@@ -299,6 +301,20 @@ class PunicaWrapper(StepLayouts):
                 or adapter_bound(t.num_adapters, self.max_loras) < self.pending_min_adapters):
             return None
         return PendingExpand(self, y, shrunk, lora_b_stacked, tuple(output_slices), ranks)
+
+    def arrival_workspace(self, rows: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 counters [rows], contiguous fp32 partials [rows, parts]) for a fused consumer of a PendingExpand
+        whose programs of one row meet: each stores a partial and counts itself in, the last to arrive reads them
+        all and sets the counter back to zero. One pair serves every layer (launches in stream order never
+        overlap); it grows only during warm-up, zeroed, and outgrown pairs stay alive for graphs that hold them."""
+        counters, partials = self._arrivals
+        if counters.numel() < rows or partials.numel() < rows * parts:
+            self._retired.extend(self._arrivals)
+            self._arrivals = (torch.zeros(max(rows, counters.numel()), dtype=torch.int32, device=self.device),
+                              torch.empty(max(rows * parts, partials.numel()), dtype=torch.float32,
+                                          device=self.device))
+            counters, partials = self._arrivals
+        return counters[:rows], partials[:rows * parts].view(rows, parts)
 
     def add_lora_embedding(self, y: torch.Tensor, token_ids: torch.Tensor, lora_a_stacked: torch.Tensor,
                            lora_b_stacked: torch.Tensor, ranks: torch.Tensor | None = None,

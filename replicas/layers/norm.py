@@ -39,8 +39,17 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: PendingExpand | None = None):
+        """lora: the expand of the layer that made x (o_proj, down_proj), left to this op
+        (lora_core/punica/pending.py): on CUDA one kernel adds it, the residual and the norm
+        (replicas.kernels.lora_norm); elsewhere, and for slots above its LORA_NORM_MAX_RANK, it runs into x first."""
         fused = fused_ops(x)
+        if lora is not None:
+            if fused is not None and residual is not None:
+                from replicas.kernels import lora_norm  # triton: CUDA only here
+                if lora.slice_rank <= lora_norm.LORA_NORM_MAX_RANK and lora_norm.fusable(x, residual, lora):
+                    return lora_norm.add_rms_norm_lora(x, residual, self.weight, self.eps, lora)
+            lora.apply()  # into x: the output it is owed to
         if fused is None:
             return self.forward_native(x, residual)
         if residual is None:

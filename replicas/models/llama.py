@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from lora_core.punica.pending import PendingExpand
 from replicas.attention import Attention, AttentionBackend, AttentionMetadata
 from replicas.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                              RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, forward_pending)
@@ -22,6 +23,9 @@ from replicas.model_config import ModelConfig
 from replicas.parallel import ParallelContext
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# A decoder layer's (hidden, residual, the LoRA expand its down_proj left owed to hidden, or None): the next
+# layer's input add + RMSNorm (or the model's final norm) adds it (lora_core/punica/pending.py).
+LayerOutput = tuple[torch.Tensor, torch.Tensor, PendingExpand | None]
 
 
 class LlamaAttention(nn.Module):
@@ -60,8 +64,15 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, lora = self.forward_pending(x)
+        if lora is not None:
+            lora.apply()
+        return y
+
+    def forward_pending(self, x: torch.Tensor) -> tuple[torch.Tensor, PendingExpand | None]:
+        """(y, down_proj's LoRA expand left to the add + RMSNorm that reads y next, or None)."""
         # A LoRA gate_up_proj may leave its expand to SiluAndMul, which adds it as it reads gate and up.
-        return self.down_proj(self.act_fn(*forward_pending(self.gate_up_proj, x)))
+        return forward_pending(self.down_proj, self.act_fn(*forward_pending(self.gate_up_proj, x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,24 +84,28 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, residual = self.attention_inputs(positions, hidden, residual)
+                kv_cache: KVCache, meta: AttentionMetadata, lora: PendingExpand | None = None) -> LayerOutput:
+        q, k, v, residual = self.attention_inputs(positions, hidden, residual, lora)
         return self.attention_outputs(self.self_attn.attn(q, k, v, kv_cache, meta), residual)
 
     # The two halves of the layer around its attention: replicas/piecewise_graphs.py captures them
     # in CUDA graphs and runs the attention between them eagerly.
-    def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """-> q, k, v, residual."""
+    def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                         lora: PendingExpand | None = None):
+        """-> q, k, v, residual. lora: the previous layer's down_proj expand, still owed to hidden."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, lora=lora)
         return (*self.self_attn.project(positions, hidden), residual)
 
-    def attention_outputs(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention output [T, heads * head_dim] -> hidden, residual (o_proj, norm, MLP)."""
-        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
-        return self.mlp(hidden), residual
+    def attention_outputs(self, attn: torch.Tensor, residual: torch.Tensor) -> LayerOutput:
+        """attention output [T, heads * head_dim] -> hidden, residual, the expand still owed to hidden
+        (o_proj, norm, MLP). A LoRA o_proj or down_proj may leave its expand to the add + RMSNorm after it."""
+        out, lora = forward_pending(self.self_attn.o_proj, attn)
+        hidden, residual = self.post_attention_layernorm(out, residual, lora=lora)
+        hidden, lora = self.mlp.forward_pending(hidden)
+        return hidden, residual, lora
 
 
 class LlamaModel(nn.Module):
@@ -102,10 +117,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual, lora = self.embed_tokens(input_ids), None, None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
+            hidden, residual, lora = layer(positions, hidden, residual, kv_cache, meta, lora)
+        hidden, _ = self.norm(hidden, residual, lora=lora)
         return hidden
 
     def forward_piece(self, i: int, positions: torch.Tensor, input_ids: torch.Tensor | None,
@@ -117,10 +132,10 @@ class LlamaModel(nn.Module):
         """
         if i == 0:
             return self.layers[0].attention_inputs(positions, self.embed_tokens(input_ids), None)
-        hidden, residual = self.layers[i - 1].attention_outputs(attn, residual)
+        hidden, residual, lora = self.layers[i - 1].attention_outputs(attn, residual)
         if i < len(self.layers):
-            return self.layers[i].attention_inputs(positions, hidden, residual)
-        return (self.norm(hidden, residual)[0],)
+            return self.layers[i].attention_inputs(positions, hidden, residual, lora)
+        return (self.norm(hidden, residual, lora=lora)[0],)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -210,17 +210,19 @@ def test_one_launch_sites_default_to_the_devices_measured_bound_where_rank_16_st
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_expands_left_to_the_next_op_match_hf_peft(demo, batch, hf_reference, tp, monkeypatch):
-    """lora_pending_max_tokens (lora_core/punica/pending.py): gate_up_proj's expand runs in SiluAndMul and
-    qkv_proj's in the rotary embedding (the fused kernels on CUDA, SiluAndMul's allowed these rank-32 slots),
-    with one adapter per step too (lora_pending_min_adapters=1). TP=1 and 2 (column shards of B). Same tokens
-    as HF + PEFT, and the steps did leave their expands."""
+    """lora_pending_max_tokens (lora_core/punica/pending.py): gate_up_proj's expand runs in SiluAndMul,
+    qkv_proj's in the rotary embedding, o_proj's and down_proj's in the add + RMSNorm after them (the fused
+    kernels on CUDA, SiluAndMul's and the norm's allowed these rank-32 slots), with one adapter per step too
+    (lora_pending_min_adapters=1). TP=1 and 2 (column shards of B; o_proj and down_proj expand after their
+    all-reduce). Same tokens as HF + PEFT, and the steps did leave their expands."""
     from lora_core.punica import PunicaWrapper
     from lora_core.punica.pending import PendingExpand
 
     if torch.cuda.is_available():
-        from replicas.kernels import fused
+        from replicas.kernels import fused, lora_norm
 
         monkeypatch.setattr(fused, "LORA_SILU_MAX_RANK", 32)
+        monkeypatch.setattr(lora_norm, "LORA_NORM_MAX_RANK", 32)
 
     left = []
     real = PunicaWrapper.pending_expand
@@ -243,8 +245,9 @@ def test_expands_left_to_the_next_op_match_hf_peft(demo, batch, hf_reference, tp
     finally:
         llm.shutdown()
     if tp == 1:  # the counters live in this process: rank 0 of TP=2 runs in a worker
-        # gate_up_proj of each layer in each step of <= 16 rows; the prompt step (> 16 rows) expands itself
-        assert sum(left) >= 4 * (STEPS - 1) and not all(left)
+        # qkv, o, gate_up and down of each layer in each step of <= 16 rows; the prompt step (> 16 rows) expands
+        # itself
+        assert sum(left) >= 4 * 2 * (STEPS - 1) and not all(left)
         if not torch.cuda.is_available():  # on CPU SiluAndMul and the rotary run each left expand themselves
             assert len(applied) == sum(left)
         else:  # on CUDA their kernels take every one

@@ -1,4 +1,5 @@
-"""SiluAndMul adding gate_up_proj's pending LoRA expand (lora_core/punica/pending.py) as it reads its input.
+"""Pointwise ops adding a layer's pending LoRA expand (lora_core/punica/pending.py) as they read its output:
+SiluAndMul (gate_up_proj), the rotary embedding (qkv_proj), the add + RMSNorm (o_proj, down_proj).
 
 Reference: the same step's PendingExpand.apply (the expand as a kernel of its
 own; plain torch on CPU) into a copy of x, then the layer's forward_native. The
@@ -18,7 +19,8 @@ from lora_core.mapping import LoRAMapping
 from lora_core.punica import PunicaWrapper
 from lora_core.punica.pending import PendingExpand
 from replicas.kernels import fused
-from replicas.layers import RotaryEmbedding, SiluAndMul, norm
+from replicas.kernels import lora_norm
+from replicas.layers import RMSNorm, RotaryEmbedding, SiluAndMul, norm
 from tests.lora_core.punica_cases import stacked_weights
 
 ON_GPU = torch.cuda.is_available()
@@ -203,3 +205,89 @@ def test_rotary_layer_takes_a_pending_expand_with_views_of_its_output():
         rope(positions, q.clone(), k, lora=_pending(*args, False, got), v=v)
     with pytest.raises(ValueError, match="views of its output"):
         rope(positions, q, k, lora=_pending(*args, False, got))
+
+
+HIDDEN_BLOCKS = [(96, 256), (200, 32)]  # (hidden, columns per program): one program per row; several, the last partial
+
+
+def _norm_case(rows: int, hidden: int, dtype, seed: int):
+    x = _randn(rows, hidden, dtype=dtype, seed=seed, scale=2.0)
+    residual = _randn(rows, hidden, dtype=dtype, seed=seed + 1)
+    layer = RMSNorm(hidden, 1e-5, dtype).to(DEVICE)
+    layer.weight.data = _randn(hidden, dtype=dtype, seed=seed + 2) + 1.0
+    return x, residual, layer, (ROW_SLOTS[rows], (hidden,), dtype, rows + 300)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", sorted(ROW_SLOTS))
+@pytest.mark.parametrize("hidden, block", HIDDEN_BLOCKS)
+def test_add_rms_norm_adds_the_pending_expand_first(rows, hidden, block, dtype, monkeypatch):
+    """lora_norm.add_rms_norm_lora = the expand into x, then fused_add_rms_norm: normed output and new residual;
+    x and residual left alone. Launched twice on one workspace: the row counters are back at zero after each
+    launch and the partials are summed in chunk order, so the second gives the same bits."""
+    monkeypatch.setattr(lora_norm, "LORA_NORM_BLOCK", block)
+    x, residual, layer, args = _norm_case(rows, hidden, dtype, rows)
+    x_before, r_before = x.clone(), residual.clone()
+    want_out, want_h = layer.forward_native(_reference_input(x, args), residual)
+
+    pending = _pending(*args, True, x)
+    out, h = lora_norm.add_rms_norm_lora(x, residual, layer.weight, layer.eps, pending)
+    _close(h, want_h)
+    _close(out, want_out)
+    assert torch.equal(x, x_before) and torch.equal(residual, r_before)
+    counters, _ = pending.punica.arrival_workspace(rows, -(-hidden // block))
+    assert not counters.any()
+    again = lora_norm.add_rms_norm_lora(x, residual, layer.weight, layer.eps, pending)
+    assert torch.equal(again[0], out) and torch.equal(again[1], h)
+
+
+def test_add_rms_norm_without_adapters_is_the_plain_op():
+    """Rows without an adapter: the residual sum bit for bit, the norm up to its float32 sum's order."""
+    x, residual, layer, _ = _norm_case(5, 200, torch.float16, 7)
+    pending = _pending([-1] * 5, (200,), torch.float16, 8, True, x)
+    out, h = lora_norm.add_rms_norm_lora(x, residual, layer.weight, layer.eps, pending)
+    want_out, want_h = fused.fused_add_rms_norm(x, residual, layer.weight, layer.eps)
+    assert torch.equal(h, want_h)
+    _close(out, want_out)
+
+
+def test_add_rms_norm_refuses_what_it_cannot_fuse():
+    x, residual, layer, args = _norm_case(5, 96, torch.float32, 3)
+    with pytest.raises(ValueError, match="one-slice"):  # two slices
+        lora_norm.add_rms_norm_lora(x, residual, layer.weight, layer.eps, _pending(ROW_SLOTS[5], (48, 48),
+                                                                                     torch.float32, 1, False, x))
+    with pytest.raises(ValueError, match="one-slice"):  # owed to another tensor than x
+        lora_norm.add_rms_norm_lora(x, residual, layer.weight, layer.eps, _pending(*args, False, x.clone()))
+    with pytest.raises(ValueError, match="one-slice"):  # a residual of another shape
+        lora_norm.add_rms_norm_lora(x, residual[:4], layer.weight, layer.eps, _pending(*args, False, x))
+
+
+@pytest.mark.parametrize("max_rank, fuses", [(RANK, True), (RANK - 1, False)])
+def test_rms_norm_layer_takes_a_pending_expand(max_rank, fuses, monkeypatch):
+    """RMSNorm(x, residual, lora=...): the fused kernel where fused ops run (a stand-in here, so the choice is
+    checked on any device) for slots up to lora_norm.LORA_NORM_MAX_RANK; past it, and with no fused ops or no
+    residual, the expand runs into x first."""
+    handed, kernel = [], lora_norm.add_rms_norm_lora
+
+    def fused_kernel(*args):
+        handed.append(args)
+        return kernel(*args)
+
+    stand_in = types.SimpleNamespace(fused_add_rms_norm=fused.fused_add_rms_norm, rms_norm=fused.rms_norm)
+    monkeypatch.setattr(norm, "fused_ops", lambda x: stand_in)
+    monkeypatch.setattr(lora_norm, "add_rms_norm_lora", fused_kernel)
+    monkeypatch.setattr(lora_norm, "LORA_NORM_MAX_RANK", max_rank)
+    x, residual, layer, args = _norm_case(5, 96, torch.float32, 11)
+    want_out, want_h = layer.forward_native(_reference_input(x, args), residual)
+    y = x.clone()
+    out, h = layer(y, residual, lora=_pending(*args, False, y))
+    _close(out, want_out)
+    _close(h, want_h)
+    assert bool(handed) == fuses
+    monkeypatch.setattr(norm, "fused_ops", lambda x: None)  # the CPU path
+    y = x.clone()
+    out, h = layer(y, residual, lora=_pending(*args, False, y))
+    _close(out, want_out)
+    _close(h, want_h)
+    y = x.clone()  # no residual: the expand, then the plain norm
+    _close(layer(y, lora=_pending(*args, False, y)), layer.forward_native(_reference_input(x, args)))

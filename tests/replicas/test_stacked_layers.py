@@ -18,7 +18,7 @@ from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind
 from lora_core.punica import PunicaWrapper
 from replicas.attention import AttentionMetadata, allocate_kv_caches
-from replicas.lora_layers import add_lora, lora_module_specs, stack_lora_weights
+from replicas.lora_layers import RowParallelLinearWithLoRA, add_lora, lora_module_specs, stack_lora_weights
 from tests.replicas.conftest import BLOCK_SIZE, NUM_BLOCKS, build_model
 
 RANK = 8
@@ -37,9 +37,11 @@ def _adapter(specs, lora_id: int, rank: int) -> LoRAModel:
     return LoRAModel(lora_id, rank, loras)
 
 
-def _engine_parts(path, stacked_max_tokens: int | None, rank: int = RANK, fused_max_adapters: int = 0):
+def _engine_parts(path, stacked_max_tokens: int | None, rank: int = RANK, fused_max_adapters: int = 0,
+                  pending_max_tokens: int = 0):
     """A model with LoRA layers; stacked_max_tokens None: plain slots, else stacked A rows. fused_max_adapters:
-    small steps run each site in one launch (Triton backend; the interpreter on CPU)."""
+    small steps run each site in one launch (Triton backend; the interpreter on CPU). pending_max_tokens: steps
+    of up to that many rows leave each layer's expand to the op after it (any adapter count)."""
     model = build_model(path)
     specs = lora_module_specs(model)
     cfg = LoRAConfig(max_loras=3, max_lora_rank=rank)
@@ -47,7 +49,8 @@ def _engine_parts(path, stacked_max_tokens: int | None, rank: int = RANK, fused_
     manager = LoRAModelManager(specs, cfg, "cpu", torch.float32,
                                stacked_a={n: s.a_rows for n, s in stacked.items()} or None)
     punica = PunicaWrapper(64, cfg.max_loras, "cpu", backend="triton" if fused_max_adapters else "torch",
-                           stacked_max_tokens=stacked_max_tokens or 0, fused_max_adapters=fused_max_adapters)
+                           stacked_max_tokens=stacked_max_tokens or 0, fused_max_adapters=fused_max_adapters,
+                           pending_max_tokens=pending_max_tokens, pending_min_adapters=1)
     add_lora(model, manager, punica, cfg, stacked)
     for lora_id, r in ((1, 4), (2, 8), (3, 16))[:3 if rank >= 16 else 2]:
         manager.add_adapter(_adapter(specs, lora_id, r))
@@ -74,18 +77,34 @@ def _logits(model, manager, punica, lora_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("checkpoint", ["llama_mqa_bias", "qwen2"])
-@pytest.mark.parametrize("stacked_max_tokens", [64, 4], ids=["in-gemm", "shrink-kernel"])
-def test_stacked_layers_equal_plain_ones(tiny_checkpoint, checkpoint, stacked_max_tokens):
+@pytest.mark.parametrize("stacked_max_tokens, pending", [(64, 0), (4, 0), (64, 64)],
+                         ids=["in-gemm", "shrink-kernel", "pending"])
+def test_stacked_layers_equal_plain_ones(tiny_checkpoint, checkpoint, stacked_max_tokens, pending, monkeypatch):
+    """pending: every expand that a layer may leave is left to the op after it (qkv: rotary, gate_up: SiluAndMul,
+    o_proj and down_proj: the next add + RMSNorm, the last down_proj's the model's final norm), which on CPU runs
+    it first; a base bias (llama_mqa_bias's o_proj and MLP) keeps the row-parallel layer's expand at home."""
+    left = []  # per row-parallel layer call: whether it left its expand to the add + RMSNorm after it
+    forward_pending = RowParallelLinearWithLoRA.forward_pending
+
+    def spy(self, x):
+        y, lora = forward_pending(self, x)
+        left.append(lora is not None)
+        return y, lora
+
+    monkeypatch.setattr(RowParallelLinearWithLoRA, "forward_pending", spy)
     path = tiny_checkpoint(checkpoint)
     plain = _engine_parts(path, None)
-    stacked = _engine_parts(path, stacked_max_tokens)
+    stacked = _engine_parts(path, stacked_max_tokens, pending_max_tokens=pending)
     qkv = stacked[0].model.layers[0].self_attn.qkv_proj
     assert qkv.stacked is not None and qkv.base.bias is not None  # both checkpoints have a qkv bias
     assert qkv.base.bias.data_ptr() == qkv.stacked.bias.data_ptr()
     lora_ids = [1, 1, 0, 2, 2, 0, 1, 2, 0, 1, 2, 2, 1]
     want = _logits(*plain, lora_ids)
+    left.clear()
     got = _logits(*stacked, lora_ids)
     assert (stacked[2].stacked_rows() is not None) == (len(lora_ids) <= stacked_max_tokens)
+    assert len(left) == 2 * stacked[0].config.num_hidden_layers  # o_proj and down_proj of every layer
+    assert all(left) == (pending > 0 and checkpoint == "qwen2") and any(left) == all(left)
     # float32 both ways, but one GEMM over [W; A] and the kernels after it sum in another order than the plain
     # layers: in a fresh install of 2026-11-23 (torch 2.13.0 CPU, triton 3.9.0's interpreter, numpy 2.4.6) one
     # logit of 1,573 differed by 1.7e-5, also at the previous session's commit (the adapters move them by > 1e-2)
