@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lora_core.config import LoRAConfig
@@ -42,6 +41,7 @@ from lora_core.punica import PunicaWrapper
 from lora_core.punica.pending import PendingExpand
 from lora_core.stacked_a import a_rows, stack_bias, stack_weight
 from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from replicas.layers.gemm import linear
 from replicas.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -191,7 +191,7 @@ class _LoRAWrapper(nn.Module):
                     return y, y, None
             # One GEMM for the base output and every slot's shrink below the step's slot bound.
             rows = st.out + bound * st.per_slot
-            out = F.linear(x, st.weight[:rows], None if st.bias is None else st.bias[:rows])
+            out = linear(x, st.weight[:rows], None if st.bias is None else st.bias[:rows])
             y = out[:, :st.out]
             pending = self.punica.pending_expand(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias) \
                 if defer else None

@@ -22,10 +22,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lora_core.punica.pending import PendingExpand
+from replicas.layers.gemm import linear
 from replicas.loader import CheckpointError, copy_checked
 from replicas.parallel import ParallelContext
 
@@ -47,7 +47,7 @@ class LinearBase(nn.Module):
         return param
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     @property
     def forward_bias(self) -> torch.Tensor | None:
@@ -177,7 +177,7 @@ class RowParallelLinear(LinearBase):
         self.bias = self._param(output_size) if bias else None
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     @property
     def forward_bias(self) -> None:
