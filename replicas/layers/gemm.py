@@ -9,8 +9,9 @@ cublasLt: o_proj at 32 rows 14.1 -> 12.1 us, down_proj 34.0 -> 31.3, and with
 the 256 A rows of a stacked LoRA step (lora_core/stacked_a.py), where
 cublasGemmEx's pick is worst, 15.6 -> 12.6 and 39.8 -> 33.0. From 24 to 64
 rows cublasLt was never more than 1.4% slower on any site; at 8-16 rows it was
-up to 12% slower on down_proj, and from 128 rows neither won everywhere. So
-GEMMs of CUBLASLT_ROWS rows take cublasLt and every other one the default.
+up to 12% slower on down_proj, and from 128 rows neither won everywhere. An
+H100 agrees from 24 to 64 rows (o_proj within 1.3%, down_proj 7-15% faster).
+So GEMMs of CUBLASLT_ROWS rows take cublasLt and every other one the default.
 
 The choice is a process-wide torch setting, set for the one call and put back
 under a lock (engines in threads of one process must not take each other's),
