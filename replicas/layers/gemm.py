@@ -47,9 +47,11 @@ def cublaslt_rows() -> tuple[int, int] | None:
 
 
 def takes_cublaslt(x: torch.Tensor) -> bool:
-    """Whether linear() runs x's GEMM through cublasLt: a CUDA half-precision x whose rows are in range."""
+    """Whether linear() runs x's GEMM through cublasLt: a CUDA half-precision x whose rows are in range (on
+    NVIDIA's CUDA: a ROCm build's "cuda" tensors have other libraries, not measured here)."""
     rows = cublaslt_rows()
-    if rows is None or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or not x.shape[-1]:
+    if rows is None or not x.is_cuda or torch.version.cuda is None or x.dtype not in (torch.float16, torch.bfloat16) \
+            or not x.shape[-1]:
         return False
     return rows[0] <= x.numel() // x.shape[-1] <= rows[1]
 

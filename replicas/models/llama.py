@@ -193,8 +193,8 @@ class LlamaForCausalLM(nn.Module):
             except CheckpointError as exc:
                 raise CheckpointError(f"{name}: {exc}") from None
             shards.setdefault(target, set()).add(shard_id)
-        missing = sorted(name for name in params
-                         if None not in shards.get(name, ()) and not shards.get(name, set()) >= self._shards_needed(name))
+        missing = sorted(name for name in params if None not in shards.get(name, ())
+                         and not shards.get(name, set()) >= self._shards_needed(name))
         if missing:
             raise CheckpointError(f"checkpoint lacks weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         return set(shards)
