@@ -7,11 +7,15 @@ bound (bound x slices x rank A rows under the base weight, lora_core/stacked_a.p
 0 = the base GEMM), this captures --layers GEMMs of distinct weights back to
 back in one CUDA graph (the step's weights stream through L2 as in the engine,
 so no flush is needed) under each front end, and prints us per GEMM and the
-ratio. replicas/layers/gemm.py takes its row range from this.
+ratio. replicas/layers/gemm.py takes its row range from this. --split adds, for
+stacked bounds, the base GEMM and the shrink as two GEMMs (W rows, then the A
+rows alone) under each front end: what splitting a stacked GEMM whose row count
+gets a slow kernel would cost.
 
     python bench/gemm_frontends.py
     python bench/gemm_frontends.py --sites o down --tokens 16 24 32 --bounds 0 16
     python bench/gemm_frontends.py --sites lm_head --tokens 1 8 16 32 64 --bounds 0
+    python bench/gemm_frontends.py --sites gate_up --tokens 16 24 32 48 --bounds 4 16 32 --split
 """
 
 from __future__ import annotations
@@ -30,16 +34,20 @@ SITES = {"qkv": (4096, 6144, 3), "o": (4096, 4096, 1), "gate_up": (4096, 28672, 
          "lm_head": (4096, 128256, 1)}
 
 
-def time_frontend(weights: list[torch.Tensor], rows: int, tokens: int, frontend: str) -> float:
-    """us per GEMM: x [tokens, K] @ w[:rows]^T for every w, captured with `frontend` preferred."""
+def time_frontend(weights: list[torch.Tensor], rows: int, tokens: int, frontend: str, split: int = 0) -> float:
+    """us per layer: x [tokens, K] @ w[:rows]^T for every w, captured with `frontend` preferred; split > 0:
+    x @ w[:split]^T, then x @ w[split:rows]^T (two GEMMs)."""
     from triton.testing import do_bench
 
     x = torch.randn(tokens, weights[0].shape[1], device="cuda", dtype=weights[0].dtype)
-    outs: list[torch.Tensor | None] = [None] * len(weights)
+    outs: list[torch.Tensor | None] = [None] * (2 * len(weights))
 
     def step():
         for i, w in enumerate(weights):
-            outs[i] = x @ w[:rows].T
+            if split:
+                outs[2 * i], outs[2 * i + 1] = x @ w[:split].T, x @ w[split:rows].T
+            else:
+                outs[2 * i] = x @ w[:rows].T
 
     before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(frontend)
@@ -57,9 +65,11 @@ def main() -> None:
     p.add_argument("--bounds", type=int, nargs="+", default=[0, 4, 16, 32])
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--layers", type=int, default=32, help="GEMMs of distinct weights per graph (lm_head: 4)")
+    p.add_argument("--split", action="store_true", help="also the base GEMM and the shrink as two GEMMs")
     a = p.parse_args()
-    print(f"device {torch.cuda.get_device_name()}  bfloat16  us per GEMM, back to back in one CUDA graph")
-    print(f"{'site':8} {'T':>5} {'bound':>5} {'cublas':>8} {'cublaslt':>9} {'lt/cublas':>9}")
+    print(f"device {torch.cuda.get_device_name()}  bfloat16  us per layer, back to back in one CUDA graph")
+    print(f"{'site':8} {'T':>5} {'bound':>5} {'cublas':>8} {'cublaslt':>9} {'lt/cublas':>9}"
+          + (f" {'split':>8} {'split lt':>9}" if a.split else ""))
     for site in a.sites:
         k, n, slices = SITES[site]
         extra = max(a.bounds) * slices * a.rank
@@ -70,7 +80,11 @@ def main() -> None:
                 rows = n + bound * slices * a.rank
                 gemm_ex = time_frontend(weights, rows, tokens, "cublas")
                 lt = time_frontend(weights, rows, tokens, "cublaslt")
-                print(f"{site:8} {tokens:5} {bound:5} {gemm_ex:8.2f} {lt:9.2f} {lt / gemm_ex:9.3f}", flush=True)
+                line = f"{site:8} {tokens:5} {bound:5} {gemm_ex:8.2f} {lt:9.2f} {lt / gemm_ex:9.3f}"
+                if a.split and bound:
+                    line += "".join(f" {time_frontend(weights, rows, tokens, f, split=n):{w}.2f}"
+                                    for f, w in (("cublas", 8), ("cublaslt", 9)))
+                print(line, flush=True)
         del weights
         torch.cuda.empty_cache()
 
