@@ -49,6 +49,12 @@ def _pdl_wait(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+# _UNTARGETED: an expand program whose adapter has rank 0 on its slice (it does not target the module) leaves
+# before reading B or y when the expand only adds: e.g. the LM head's expand over the whole vocabulary, run
+# whenever a step has adapters, is a no-op unless one of them targets lm_head (8B, 32 rows: ~35 us per step).
+# Under PDL it still waits, so the kernel never completes before the shrink it follows.
+
+
 @triton.jit
 def _tile_tokens(sorted_ptr, start, end, BLOCK_M: tl.constexpr):
     offs = start + tl.arange(0, BLOCK_M)
@@ -215,6 +221,10 @@ def expand_kernel(
     n_end = tl.minimum(n_begin + n_per_prog, n_hi)
     tok, m_mask = _tile_tokens(sorted_ptr, start, end, BLOCK_M)
     rank = tl.load(ranks_ptr + s * sr_s + lora)
+    if ADD_INPUTS and not HAS_BIAS:
+        if rank == 0:  # the adapter leaves this slice alone: nothing to add, B and y unread (_UNTARGETED)
+            _pdl_wait(USE_PDL)
+            return
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     xb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -329,6 +339,10 @@ def bgmv_expand_kernel(
         return
     n_end = tl.minimum(n_begin + n_per_prog, n_hi)
     rank = tl.load(ranks_ptr + s * sr_s + slot)
+    if ADD_INPUTS and not HAS_BIAS:
+        if rank == 0:  # the adapter leaves this slice alone: nothing to add, B and y unread (_UNTARGETED)
+            _pdl_wait(USE_PDL)
+            return
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     b_rows = b_ptr + slot.to(tl.int64) * sw_l + offs_r[None, :] * sw_r
@@ -362,38 +376,3 @@ def bgmv_expand_kernel(
             acc += tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
-
-# ---- one row's expand, for kernels that fuse it into a pointwise op (lora_core/punica/pending.py) ----
-
-@triton.jit
-def row_slot(slots_ptr, ranks_ptr, row, slice_idx, sr_s):
-    """(slot as int64, clamped to 0 for a row without an adapter; its rank for slice_idx, 0 for such a row)."""
-    slot = tl.load(slots_ptr + row)
-    live = tl.maximum(slot, 0)
-    rank = tl.load(ranks_ptr + slice_idx * sr_s + live)
-    return live.to(tl.int64), tl.where(slot >= 0, rank, 0)
-
-
-@triton.jit
-def row_expand(s_row, b_slot, rank, offs_n, n_mask, sb_n, BLOCK_R: tl.constexpr):
-    """[BLOCK_N] float32: sum over r < rank of s_row[r] * b_slot[n, r] for n in offs_n (masked by n_mask).
-
-    s_row: the row's shrink columns of one slice; b_slot: that slot's B at the slice's first output row;
-    both unit stride along r. Rank 0 (no adapter) reads no memory and gives zeros."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    s = tl.load(s_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
-    w = tl.load(b_slot + offs_n[:, None].to(tl.int64) * sb_n + offs_r[None, :],
-                mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-    return tl.sum(w.to(tl.float32) * s[None, :], axis=1)
-
-
-@triton.jit
-def cols_expand(s_row, b_slot, rank, cols, mask, sb_n, BLOCK_R: tl.constexpr):
-    """row_expand over a 2-D block of output columns: [H, W] float32, cols [H, W] the B rows (masked by mask)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    s = tl.load(s_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
-    w = tl.load(b_slot + cols[:, :, None].to(tl.int64) * sb_n + offs_r[None, None, :],
-                mask=mask[:, :, None] & r_mask[None, None, :], other=0.0)
-    return tl.sum(w.to(tl.float32) * s[None, None, :], axis=2)

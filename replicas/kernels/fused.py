@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lora_core.punica.pending import PendingExpand
-from lora_core.punica.triton_kernels import row_expand, row_slot
+from lora_core.punica.row_expand import row_expand, row_slot
 
 _MAX_NORM_BLOCK = 8192  # a row up to this wide stays in registers; wider rows are read twice
 # SiluAndMul with a PendingExpand to add (lora_core/punica/pending.py): columns per program, each holding

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from lora_core.punica.pending import PendingExpand
-from lora_core.punica.triton_kernels import row_expand, row_slot
+from lora_core.punica.row_expand import row_expand, row_slot
 from replicas.kernels.fused import _MAX_NORM_BLOCK, _launch_opts, _rows, _rsqrt
 
 # Columns per program: each holds a [block, R] tile of the row's B. H200, 8B o_proj / down_proj, 16-32 rows over

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lora_core.punica.pending import PendingExpand
-from lora_core.punica.triton_kernels import cols_expand, row_slot
+from lora_core.punica.row_expand import cols_expand, row_slot
 from replicas.kernels.fused import _cos, _launch_opts, _rotated_like, _sin
 
 # heads per program: each holds [heads, head_dim, R] of B. 1 saved the most on an H100 (8B qkv, 32 rows over 1-32

@@ -205,6 +205,39 @@ def test_decode_paths_split_k(num_tokens, rank, bgmv_max_tokens):
     _assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("bgmv_max_tokens", [0, 64], ids=["sgmv", "bgmv"])
+@pytest.mark.parametrize("num_tokens", [6, 40])
+def test_untargeted_slices_leave_y_as_it_was(num_tokens, bgmv_max_tokens):
+    """A slot of rank 0 on a slice (its adapter does not target that module: lm_head, or v_proj under a q/k
+    adapter) adds nothing: its expand programs leave before reading B or y, and y keeps its bits there."""
+    dtype = DTYPES[-1]
+    g = torch.Generator().manual_seed(num_tokens + bgmv_max_tokens)
+    slices = SLICES[3]
+    a, b, ranks = stacked_weights(NUM_SLOTS, 16, HIDDEN, slices, [16, 8], dtype, DEVICE, g)
+    untargeted = [(2, 0), (2, 1), (2, 2), (0, 3), (1, 3), (2, 3)]  # (slice, slot): v of slots 0-2, all of 3
+    offsets = [0, *torch.tensor(slices).cumsum(0).tolist()]
+    for k, slot in untargeted:
+        ranks[k, slot] = 0
+        a[k, slot] = 0
+        b[slot, offsets[k]:offsets[k + 1]] = 0
+    slots = token_slots(num_tokens, NUM_SLOTS, "uniform", g, none_fraction=0.2)
+    ids = [1, 2, 3, 4, 5, 6]
+    ref = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="torch")
+    tri = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=bgmv_max_tokens)
+    for w in (ref, tri):
+        w.update_metadata(_mapping(slots, ids, False), ids)
+    x = torch.randn(num_tokens, HIDDEN, generator=g).to(DEVICE, dtype)
+    y0 = torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE, dtype)
+    want, got = y0.float().clone(), y0.clone()
+    ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 1.0, slices, ranks)
+    tri.add_lora_linear(got, x, a, b, None, 1.0, slices, ranks)
+    _assert_close(got, want, dtype)
+    kept = [(t, k) for t, slot in enumerate(slots) for k in range(3) if slot < 0 or (k, slot) in untargeted]
+    assert len(kept) > 0 and len(kept) < 3 * num_tokens
+    for t, k in kept:
+        assert torch.equal(got[t, offsets[k]:offsets[k + 1]], y0[t, offsets[k]:offsets[k + 1]])
+
+
 @pytest.mark.parametrize("bgmv_max_tokens", [0, 32], ids=["sgmv", "bgmv"])
 def test_shrink_reads_at_most_the_rows_it_holds(bgmv_max_tokens):
     """A fully-sharded A holds max_rank / tp rows while ranks keep the full rank: no row past R is read."""
