@@ -169,6 +169,10 @@ class _LoRAWrapper(nn.Module):
     def slots(self):
         return self.manager.buffers(self.spec.name)
 
+    def scales_with_input(self) -> bool:
+        """replicas.layers.row_scale.scales_with_input: no base bias and no LoRA bias."""
+        return self.base.bias is None and self.slots.bias is None
+
     def _shrink_gathered(self, x: torch.Tensor, meta) -> torch.Tensor:
         """Fully-sharded column layers: [S, T, r/tp] on each rank -> [S, T, r] everywhere."""
         b = self.slots

@@ -39,6 +39,7 @@ from triton.language.extra import libdevice
 
 from lora_core.punica.pending import PendingExpand
 from lora_core.punica.row_expand import row_expand, row_slot
+from replicas.layers.row_scale import RowScale
 
 _MAX_NORM_BLOCK = 8192  # a row up to this wide stays in registers; wider rows are read twice
 # SiluAndMul with a PendingExpand to add (lora_core/punica/pending.py): columns per program, each holding
@@ -103,6 +104,14 @@ def _rsqrt(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _row_inv(part_ptr, row, sp, eps, inv_n, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr, PRECISE: tl.constexpr):
+    """1 / rms of a row from a RowScale's partial sums of squares (replicas/layers/row_scale.py), float32."""
+    offs = tl.arange(0, BLOCK_P)
+    parts = tl.load(part_ptr + row * sp + offs, mask=offs < CHUNKS, other=0.0)
+    return _rsqrt(tl.sum(parts, axis=0) * inv_n + eps, PRECISE)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, inv_n, N, sx, sr, so, sro,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
                      PRECISE: tl.constexpr):
@@ -159,6 +168,20 @@ def _lora_args(lora: PendingExpand | None, x2: torch.Tensor) -> tuple[tuple, dic
     if lora is None:
         return (x2, x2, x2, x2, 0, 0, 0, 0, 0, 0), {"HAS_LORA": False, "BLOCK_R": 16}
     return lora.kernel_args(), {"HAS_LORA": True, "BLOCK_R": max(16, triton.next_power_of_2(lora.slice_rank))}
+
+
+def _scale_args(row_scale: RowScale | None, x2: torch.Tensor) -> tuple:
+    """A fused kernel's RowScale arguments (fused._row_inv's): dummies without one."""
+    if row_scale is None:
+        return x2, 0, 0.0, 0.0
+    if row_scale.partials.shape[0] != x2.shape[0]:
+        raise ValueError(f"a RowScale of {row_scale.partials.shape[0]} rows for {x2.shape[0]} rows")
+    return row_scale.kernel_args()
+
+
+def _scale_consts(row_scale: RowScale | None) -> dict:
+    chunks = row_scale.chunks if row_scale is not None else 0
+    return {"CHUNKS": chunks, "BLOCK_P": triton.next_power_of_2(max(chunks, 1))}
 
 
 def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -265,9 +288,11 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so,
                          slots_ptr, s_ptr, b_ptr, ranks_ptr, ss_t, ss_l, sb_l, sb_n, sr_s, s_slice,
-                         BLOCK: tl.constexpr, PRECISE: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                         part_ptr, sp, eps, inv_n,
+                         BLOCK: tl.constexpr, PRECISE: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+                         CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr):
     """HAS_LORA: gate and up get a two-slice PendingExpand's row first, each rounded to x's dtype as the
-    expand kernel would have stored it."""
+    expand kernel would have stored it. CHUNKS > 0: then a RowScale's factor, rounded again, as apply_()."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -280,6 +305,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so,
         gate = (gate.to(tl.float32) + row_expand(s_row, b_slot, rank_gate, offs, mask, sb_n, BLOCK_R)).to(gate.dtype)
         up = (up.to(tl.float32) + row_expand(s_row + s_slice, b_slot + inter * sb_n, rank_up, offs, mask, sb_n,
                                              BLOCK_R)).to(up.dtype)
+    if CHUNKS > 0:
+        inv = _row_inv(part_ptr, row, sp, eps, inv_n, CHUNKS, BLOCK_P, PRECISE)
+        gate = (gate.to(tl.float32) * inv).to(gate.dtype)
+        up = (up.to(tl.float32) * inv).to(up.dtype)
     up = up.to(tl.float32)
     g = gate.to(tl.float32)
     act = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(gate.dtype)  # F.silu rounds to the dtype
@@ -291,11 +320,12 @@ def silu_fusable(x: torch.Tensor, lora: PendingExpand) -> bool:
     return x.dim() == 2 and lora.fusable((x.shape[-1] // 2,) * 2)
 
 
-def silu_and_mul(x: torch.Tensor, lora: PendingExpand | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, lora: PendingExpand | None = None, row_scale: RowScale | None = None) -> torch.Tensor:
     """x [..., 2I] = [gate | up] -> new silu(gate) * up [..., I].
 
     lora: a two-slice expand (gate, up) still owed to x = [T, 2I], added first as lora.apply() would
-    (rounded to x.dtype); x itself is left alone."""
+    (rounded to x.dtype); row_scale: a RowScale still owed to x [T, 2I], applied next as its apply_() would.
+    x itself is left alone."""
     inter = x.shape[-1] // 2
     if lora is not None and not silu_fusable(x, lora):
         raise ValueError(f"silu_and_mul takes two-slice expands of {inter} outputs each onto [T, {2 * inter}] "
@@ -308,8 +338,8 @@ def silu_and_mul(x: torch.Tensor, lora: PendingExpand | None = None) -> torch.Te
     out2 = out.view(-1, inter)
     lora_args, lora_consts = _lora_args(lora, x2)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out2, inter, x2.stride(0), out2.stride(0), *lora_args, BLOCK=block, PRECISE=x.is_cuda,
-        **lora_consts, num_warps=4, **_launch_opts(x))
+        x2, out2, inter, x2.stride(0), out2.stride(0), *lora_args, *_scale_args(row_scale, x2), BLOCK=block,
+        PRECISE=x.is_cuda, **lora_consts, **_scale_consts(row_scale), num_warps=4, **_launch_opts(x))
     return out
 
 

@@ -26,6 +26,7 @@ import triton.language as tl
 from lora_core.punica.pending import PendingExpand
 from lora_core.punica.row_expand import row_expand, row_slot
 from replicas.kernels.fused import _MAX_NORM_BLOCK, _launch_opts, _rows, _rsqrt
+from replicas.layers.row_scale import RowScale
 
 # Columns per program: each holds a [block, R] tile of the row's B. H200, 8B o_proj / down_proj, 16-32 rows over
 # 1-32 adapters (bench/pending_expand.py --sites o down --blocks 64 128 256 512): 256 saved 0.7-1.2 us per o_proj
@@ -41,8 +42,10 @@ def _add_rms_norm_lora_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, cnt_ptr, pa
                               sx, sr, so, sh,
                               slots_ptr, s_ptr, b_ptr, ranks_ptr, ss_t, ss_l, sb_l, sb_n, sr_s, s_slice,
                               BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr,
-                              ROW_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, PRECISE: tl.constexpr):
-    """Program (row, c): columns [c * BLOCK, (c + 1) * BLOCK) of one row; the row's last arrival norms it."""
+                              ROW_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, PRECISE: tl.constexpr,
+                              DEFER: tl.constexpr):
+    """Program (row, c): columns [c * BLOCK, (c + 1) * BLOCK) of one row; the row's last arrival norms it.
+    DEFER: no arrival; each program writes w * h and its part of the sum of squares (a RowScale's)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -57,6 +60,10 @@ def _add_rms_norm_lora_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, cnt_ptr, pa
     tl.store(h_row + offs, h, mask=mask)
     hf = h.to(tl.float32)
     tl.store(part_ptr + row * CHUNKS + tl.program_id(1), tl.sum(hf * hf, axis=0))
+    if DEFER:
+        w_chunk = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # not `w`: the loop below's
+        tl.store(out_ptr + row * so + offs, (w_chunk * hf).to(out_ptr.dtype.element_ty), mask=mask)
+        return
     tl.debug_barrier()  # every thread's stores issued before the release below
     if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
         offs_p = tl.arange(0, BLOCK_P)
@@ -84,6 +91,19 @@ def add_rms_norm_lora(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
                       lora: PendingExpand) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, N] (the output lora's one-slice expand is owed to), residual [T, N] -> new (rms_norm(h), h) with
     h = (x + expand, rounded to x.dtype) + residual, as fused_add_rms_norm after lora.apply(); x is left alone."""
+    out, h, _ = _launch(x, residual, weight, eps, lora, defer=False)
+    return out, h
+
+
+def add_rms_norm_lora_deferred(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                               lora: PendingExpand) -> tuple[torch.Tensor, torch.Tensor, RowScale]:
+    """add_rms_norm_lora with the row's 1 / rms left to the caller: -> new (weight * h, h, RowScale), so that
+    rms_norm(h) = weight * h * scale.inv() (replicas/layers/row_scale.py). No second pass over the row."""
+    return _launch(x, residual, weight, eps, lora, defer=True)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, lora: PendingExpand,
+            defer: bool) -> tuple[torch.Tensor, torch.Tensor, RowScale | None]:
     if not fusable(x, residual, lora):
         raise ValueError(f"add_rms_norm_lora takes a one-slice expand owed to x itself and a residual of x's shape, "
                          f"got slices {lora.output_slices} onto x {tuple(x.shape)}, residual {tuple(residual.shape)}")
@@ -91,7 +111,7 @@ def add_rms_norm_lora(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     h = torch.empty_like(x, memory_format=torch.contiguous_format)
     if rows == 0:
-        return out, h
+        return out, h, None
     block = min(triton.next_power_of_2(n), LORA_NORM_BLOCK)
     chunks = triton.cdiv(n, block)
     counters, partials = lora.punica.arrival_workspace(rows, chunks)
@@ -101,6 +121,6 @@ def add_rms_norm_lora(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
         x.stride(0), r2.stride(0), out.stride(0), h.stride(0), *lora.kernel_args(),
         BLOCK=block, CHUNKS=chunks, BLOCK_P=triton.next_power_of_2(chunks),
         ROW_BLOCK=min(triton.next_power_of_2(n), _MAX_NORM_BLOCK // 2),
-        BLOCK_R=max(16, triton.next_power_of_2(lora.slice_rank)), PRECISE=x.is_cuda,
+        BLOCK_R=max(16, triton.next_power_of_2(lora.slice_rank)), PRECISE=x.is_cuda, DEFER=defer,
         num_warps=LORA_NORM_WARPS, **_launch_opts(x))
-    return out, h
+    return out, h, RowScale(partials, eps, 1.0 / n) if defer else None

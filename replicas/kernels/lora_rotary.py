@@ -18,7 +18,8 @@ import triton.language as tl
 
 from lora_core.punica.pending import PendingExpand
 from lora_core.punica.row_expand import cols_expand, row_slot
-from replicas.kernels.fused import _cos, _launch_opts, _rotated_like, _sin
+from replicas.kernels.fused import _cos, _launch_opts, _row_inv, _rotated_like, _scale_args, _scale_consts, _sin
+from replicas.layers.row_scale import RowScale
 
 # heads per program: each holds [heads, head_dim, R] of B. 1 saved the most on an H100 (8B qkv, 32 rows over 1-32
 # adapters: 2.1-2.6 us per site against 1.6-2.2 with 2 heads and 0.9-1.6 with 4; bench/pending_expand.py --sites qkv)
@@ -36,10 +37,12 @@ def _with_delta(row, cols, b_cols, mask, s_row, b_slot, rank, sb_n, BLOCK_R: tl.
 @triton.jit
 def _rotary_lora_kernel(pos_ptr, inv_freq_ptr, y_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads, sy, sqo, sko,
                         slots_ptr, s_ptr, b_ptr, ranks_ptr, ss_t, ss_l, sb_l, sb_n, sr_s, s_slice,
+                        part_ptr, sp, eps, inv_n,
                         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                         Q_PROGRAMS: tl.constexpr, K_PROGRAMS: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISE: tl.constexpr):
-    """y [T, (Hq + 2 Hk) * D] = [q | k | v]. Program (t, j): BLOCK_H heads of q (j < Q_PROGRAMS), of k, then of v."""
+                        PRECISE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """y [T, (Hq + 2 Hk) * D] = [q | k | v]. Program (t, j): BLOCK_H heads of q (j < Q_PROGRAMS), of k, then of v.
+    CHUNKS > 0: a RowScale's factor after the expand (v's part too), rounded as RowScale.apply_ rounds it."""
     tok = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     is_q = j < Q_PROGRAMS
@@ -57,6 +60,10 @@ def _rotary_lora_kernel(pos_ptr, inv_freq_ptr, y_ptr, q_out_ptr, k_out_ptr, num_
     y_row = y_ptr + tok * sy + col0
     x1 = _with_delta(y_row, idx, col0 + idx, mask, s_row, b_slot, rank, sb_n, BLOCK_R)
     x2 = _with_delta(y_row, idx + HALF, col0 + idx + HALF, mask, s_row, b_slot, rank, sb_n, BLOCK_R)
+    if CHUNKS > 0:
+        inv = _row_inv(part_ptr, tok, sp, eps, inv_n, CHUNKS, BLOCK_P, PRECISE)
+        x1 = (x1.to(tl.float32) * inv).to(x1.dtype)
+        x2 = (x2.to(tl.float32) * inv).to(x2.dtype)
     if part == 2:  # v: the expand only, in place
         tl.store(y_row + idx, x1, mask=mask)
         tl.store(y_row + idx + HALF, x2, mask=mask)
@@ -84,9 +91,10 @@ def fusable(lora: PendingExpand, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def rotary_lora(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,
-                head_dim: int, lora: PendingExpand) -> tuple[torch.Tensor, torch.Tensor]:
+                head_dim: int, lora: PendingExpand,
+                row_scale: RowScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq*D], k, v [T, Hk*D], views of lora.y (fusable) -> new rotated (q', k') with lora's expand added
-    first, as fused.rotary after lora.apply(); v gets its part in place."""
+    first, as fused.rotary after lora.apply() (and row_scale.apply_(q, k, v), if given); v gets both in place."""
     if not fusable(lora, q, k, v):
         raise ValueError(f"rotary_lora takes the q, k, v views of the output a three-slice expand is owed to, got "
                          f"slices {lora.output_slices} for q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -100,8 +108,8 @@ def rotary_lora(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     q_programs, k_programs = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_k_heads, block_h)
     _rotary_lora_kernel[(num_tokens, q_programs + 2 * k_programs)](
         positions.reshape(-1), inv_freq.float().contiguous(), lora.y, q_out, k_out, num_q_heads, num_k_heads,
-        lora.y.stride(0), q_out.stride(0), k_out.stride(0), *lora.kernel_args(),
+        lora.y.stride(0), q_out.stride(0), k_out.stride(0), *lora.kernel_args(), *_scale_args(row_scale, lora.y),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, Q_PROGRAMS=q_programs,
         K_PROGRAMS=k_programs, BLOCK_R=max(16, triton.next_power_of_2(lora.slice_rank)), PRECISE=q.is_cuda,
-        num_warps=LORA_ROTARY_WARPS, **_launch_opts(q))
+        **_scale_consts(row_scale), num_warps=LORA_ROTARY_WARPS, **_launch_opts(q))
     return q_out, k_out

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_core.punica.pending import PendingExpand
+from replicas.layers.row_scale import RowScale
 
 
 def fused_ops(x: torch.Tensor):
@@ -56,6 +57,18 @@ class RMSNorm(nn.Module):
             return fused.rms_norm(x, self.weight, self.eps)
         return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
+    def forward_deferred(self, x: torch.Tensor, residual: torch.Tensor, lora: PendingExpand):
+        """forward(x, residual, lora) -> (y, h, row_scale): where the LoRA kernel runs (CUDA, bfloat16 or
+        float32, slots within its rank) it leaves each row's 1 / rms to the op after the linear layer that
+        reads y (y = weight * h; replicas/layers/row_scale.py: only for a layer without biases), else
+        row_scale is None and y is normed. float16 keeps the norm: an unnormed row may overflow its range."""
+        fused = fused_ops(x)
+        if fused is not None and x.dtype != torch.float16:
+            from replicas.kernels import lora_norm  # triton: CUDA only here
+            if lora.slice_rank <= lora_norm.LORA_NORM_MAX_RANK and lora_norm.fusable(x, residual, lora):
+                return lora_norm.add_rms_norm_lora_deferred(x, residual, self.weight, self.eps, lora)
+        return (*self(x, residual, lora=lora), None)
+
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
@@ -66,16 +79,22 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
 
-    def forward(self, x: torch.Tensor, lora: PendingExpand | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: PendingExpand | None = None,
+                row_scale: RowScale | None = None) -> torch.Tensor:
         """lora: gate_up_proj's expand, left to this op (lora_core/punica/pending.py): the fused kernel adds
         it as it reads x; elsewhere (for any x or expand fused.silu_and_mul would refuse, and for slots above
-        fused.LORA_SILU_MAX_RANK, where the fused kernel is slower) it runs into x first."""
+        fused.LORA_SILU_MAX_RANK, where the fused kernel is slower) it runs into x first. row_scale: the
+        RowScale the norm before gate_up_proj left, applied next (by the fused kernel; off CUDA to x first)."""
         fused = fused_ops(x)
         if lora is not None and (fused is None or not fused.silu_fusable(x, lora)
                                  or lora.slice_rank > fused.LORA_SILU_MAX_RANK):
             lora.apply()  # into x: the output it is owed to
             lora = None
-        return self.forward_native(x) if fused is None else fused.silu_and_mul(x, lora=lora)
+        if fused is None:
+            if row_scale is not None:
+                row_scale.apply_(x)
+            return self.forward_native(x)
+        return fused.silu_and_mul(x, lora=lora, row_scale=row_scale)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)

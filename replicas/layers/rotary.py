@@ -13,6 +13,7 @@ from torch import nn
 
 from lora_core.punica.pending import PendingExpand
 from replicas.layers.norm import fused_ops
+from replicas.layers.row_scale import RowScale
 from replicas.model_config import ModelConfigError, RopeScaling
 
 
@@ -61,10 +62,14 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, lora: PendingExpand | None = None,
-                v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                v: torch.Tensor | None = None, row_scale: RowScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """lora: qkv_proj's expand, left to this op (lora_core/punica/pending.py), with q, k, v views of the output
-        it is owed to: on CUDA one kernel adds it as it rotates (v in place); elsewhere it runs first."""
+        it is owed to: on CUDA one kernel adds it as it rotates (v in place); elsewhere it runs first.
+        row_scale: the RowScale the norm before qkv_proj left (with v): applied after the expand, v's part in
+        place, by the same kernel or first."""
         fused = fused_ops(q)
+        if row_scale is not None and v is None:
+            raise ValueError("RotaryEmbedding takes a row_scale with q, k and v: v needs it too")
         if lora is not None:
             if v is None or not lora.splits_y((q, k, v)):
                 raise ValueError("RotaryEmbedding takes a pending expand with q, k, v: the views of its output")
@@ -72,8 +77,10 @@ class RotaryEmbedding(nn.Module):
                 from replicas.kernels import lora_rotary  # triton: CUDA only here
 
                 if lora_rotary.fusable(lora, q, k, v):
-                    return lora_rotary.rotary_lora(positions, q, k, v, self.inv_freq, self.head_dim, lora)
+                    return lora_rotary.rotary_lora(positions, q, k, v, self.inv_freq, self.head_dim, lora, row_scale)
             lora.apply()
+        if row_scale is not None:
+            row_scale.apply_(q, k, v)
         if fused is None:
             return self.forward_native(positions, q, k)
         return fused.rotary(positions, q, k, self.inv_freq, self.head_dim)

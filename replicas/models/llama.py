@@ -18,6 +18,7 @@ from lora_core.punica.pending import PendingExpand
 from replicas.attention import Attention, AttentionBackend, AttentionMetadata
 from replicas.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                              RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, forward_pending)
+from replicas.layers.row_scale import RowScale, scales_with_input
 from replicas.loader import CheckpointError, default_weight_loader
 from replicas.model_config import ModelConfig
 from replicas.parallel import ParallelContext
@@ -46,12 +47,14 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attn(*self.project(positions, hidden), kv_cache, meta))
 
-    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> q, k, v (rotary applied): everything before the attention proper."""
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor,
+                row_scale: RowScale | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> q, k, v (rotary applied): everything before the attention proper. row_scale: the
+        input norm's per-row factor, still owed to hidden (replicas/layers/row_scale.py)."""
         # A LoRA qkv_proj may leave its expand to the rotary kernel, which adds it as it rotates (v in place).
         qkv, lora = forward_pending(self.qkv_proj, hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k, lora=lora, v=v)
+        q, k = self.rotary_emb(positions, q, k, lora=lora, v=v, row_scale=row_scale)
         return q, k, v
 
 
@@ -69,10 +72,13 @@ class LlamaMLP(nn.Module):
             lora.apply()
         return y
 
-    def forward_pending(self, x: torch.Tensor) -> tuple[torch.Tensor, PendingExpand | None]:
-        """(y, down_proj's LoRA expand left to the add + RMSNorm that reads y next, or None)."""
+    def forward_pending(self, x: torch.Tensor,
+                        row_scale: RowScale | None = None) -> tuple[torch.Tensor, PendingExpand | None]:
+        """(y, down_proj's LoRA expand left to the add + RMSNorm that reads y next, or None). row_scale: the
+        norm's per-row factor, still owed to x."""
         # A LoRA gate_up_proj may leave its expand to SiluAndMul, which adds it as it reads gate and up.
-        return forward_pending(self.down_proj, self.act_fn(*forward_pending(self.gate_up_proj, x)))
+        gate_up, lora = forward_pending(self.gate_up_proj, x)
+        return forward_pending(self.down_proj, self.act_fn(gate_up, lora, row_scale))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,18 +100,26 @@ class LlamaDecoderLayer(nn.Module):
                          lora: PendingExpand | None = None):
         """-> q, k, v, residual. lora: the previous layer's down_proj expand, still owed to hidden."""
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual, lora=lora)
-        return (*self.self_attn.project(positions, hidden), residual)
+            return (*self.self_attn.project(positions, self.input_layernorm(hidden)), hidden)
+        hidden, residual, scale = _norm(self.input_layernorm, hidden, residual, lora, self.self_attn.qkv_proj)
+        return (*self.self_attn.project(positions, hidden, scale), residual)
 
     def attention_outputs(self, attn: torch.Tensor, residual: torch.Tensor) -> LayerOutput:
         """attention output [T, heads * head_dim] -> hidden, residual, the expand still owed to hidden
         (o_proj, norm, MLP). A LoRA o_proj or down_proj may leave its expand to the add + RMSNorm after it."""
         out, lora = forward_pending(self.self_attn.o_proj, attn)
-        hidden, residual = self.post_attention_layernorm(out, residual, lora=lora)
-        hidden, lora = self.mlp.forward_pending(hidden)
+        hidden, residual, scale = _norm(self.post_attention_layernorm, out, residual, lora, self.mlp.gate_up_proj)
+        hidden, lora = self.mlp.forward_pending(hidden, scale)
         return hidden, residual, lora
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, lora: PendingExpand | None,
+          reader: nn.Module) -> tuple[torch.Tensor, torch.Tensor, RowScale | None]:
+    """norm(x, residual, lora=lora) -> (y, h, row_scale): with an expand to add, the norm's LoRA kernel may leave
+    each row's 1 / rms to the op after `reader` (the linear layer that reads y) when that layer has no biases."""
+    if lora is not None and scales_with_input(reader):
+        return norm.forward_deferred(x, residual, lora)
+    return (*norm(x, residual, lora=lora), None)
 
 
 class LlamaModel(nn.Module):

@@ -3,7 +3,6 @@ an adapter loaded at run time from a real S3 server (SeaweedFS), the Python hand
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
 

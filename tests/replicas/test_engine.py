@@ -214,7 +214,8 @@ def test_expands_left_to_the_next_op_match_hf_peft(demo, batch, hf_reference, tp
     qkv_proj's in the rotary embedding, o_proj's and down_proj's in the add + RMSNorm after them (the fused
     kernels on CUDA, SiluAndMul's and the norm's allowed these rank-32 slots), with one adapter per step too
     (lora_pending_min_adapters=1). TP=1 and 2 (column shards of B; o_proj and down_proj expand after their
-    all-reduce). Same tokens as HF + PEFT, and the steps did leave their expands."""
+    all-reduce), and on CUDA those norms leave each row's 1 / rms to the rotary and SiluAndMul kernels
+    (replicas/layers/row_scale.py). Same tokens as HF + PEFT, and the steps did leave their expands."""
     from lora_core.punica import PunicaWrapper
     from lora_core.punica.pending import PendingExpand
 
@@ -223,6 +224,8 @@ def test_expands_left_to_the_next_op_match_hf_peft(demo, batch, hf_reference, tp
 
         monkeypatch.setattr(fused, "LORA_SILU_MAX_RANK", 32)
         monkeypatch.setattr(lora_norm, "LORA_NORM_MAX_RANK", 32)
+        deferred, real_deferred = [], lora_norm.add_rms_norm_lora_deferred  # the norms left their 1 / rms
+        monkeypatch.setattr(lora_norm, "add_rms_norm_lora_deferred", lambda *a: deferred.append(1) or real_deferred(*a))
 
     left = []
     real = PunicaWrapper.pending_expand
@@ -251,7 +254,7 @@ def test_expands_left_to_the_next_op_match_hf_peft(demo, batch, hf_reference, tp
         if not torch.cuda.is_available():  # on CPU SiluAndMul and the rotary run each left expand themselves
             assert len(applied) == sum(left)
         else:  # on CUDA their kernels take every one
-            assert not applied
+            assert not applied and deferred
 
 
 @pytest.mark.parametrize("fully_sharded,stacked", [(False, 0), (True, 0), (False, 256)],

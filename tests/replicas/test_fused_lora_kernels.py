@@ -116,7 +116,8 @@ def test_silu_and_mul_layer_fuses_slots_up_to_its_rank_limit(monkeypatch):
     inter, dtype = 64, torch.float32
     handed = []
 
-    def silu_and_mul(x, lora=None):
+    def silu_and_mul(x, lora=None, row_scale=None):
+        assert row_scale is None
         handed.append(lora)
         if lora is not None:
             lora.apply()  # into x, as the kernel adds it
