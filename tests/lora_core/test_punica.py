@@ -39,6 +39,16 @@ def _wrappers(mapping: LoRAMapping, ids: list[int | None]):
     return out
 
 
+def _linear_both(ref: PunicaWrapper, tri: PunicaWrapper, x, a, b, y0, slices, ranks, scale: float) -> torch.Tensor:
+    """add_lora_linear onto copies of y0 through the torch reference (float32) and Triton wrappers of one step;
+    asserts they agree and returns Triton's."""
+    want, got = y0.float().clone(), y0.clone()
+    ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, scale, slices, ranks)
+    tri.add_lora_linear(got, x, a, b, None, scale, slices, ranks)
+    _assert_close(got, want, y0.dtype)
+    return got
+
+
 def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     err = (got.float() - want.float()).abs().max().item()
     scale = want.float().abs().max().item() + 1e-6
@@ -226,12 +236,9 @@ def test_untargeted_slices_leave_y_as_it_was(num_tokens, bgmv_max_tokens):
     tri = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=bgmv_max_tokens)
     for w in (ref, tri):
         w.update_metadata(_mapping(slots, ids, False), ids)
-    x = torch.randn(num_tokens, HIDDEN, generator=g).to(DEVICE, dtype)
     y0 = torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE, dtype)
-    want, got = y0.float().clone(), y0.clone()
-    ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 1.0, slices, ranks)
-    tri.add_lora_linear(got, x, a, b, None, 1.0, slices, ranks)
-    _assert_close(got, want, dtype)
+    got = _linear_both(ref, tri, torch.randn(num_tokens, HIDDEN, generator=g).to(DEVICE, dtype), a, b, y0, slices,
+                       ranks, 1.0)
     kept = [(t, k) for t, slot in enumerate(slots) for k in range(3) if slot < 0 or (k, slot) in untargeted]
     assert len(kept) > 0 and len(kept) < 3 * num_tokens
     for t, k in kept:
@@ -290,11 +297,8 @@ def test_programs_are_dealt_over_the_real_tiles(num_tokens, used, popularity):
     else:  # tall tiles: K splits stop at the plan's cap, and the device deals the expand's column chunks only
         assert cap == grid_splits == triton_ops.SGMV_TALL_MAX_SPLITS
     x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, dtype)
-    y0 = torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE, dtype)
-    want, got = y0.float().clone(), y0.clone()
-    ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 0.5, slices, ranks)
-    tri.add_lora_linear(got, x, a, b, None, 0.5, slices, ranks)
-    _assert_close(got, want, dtype)
+    _linear_both(ref, tri, x, a, b, torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE, dtype), slices,
+                 ranks, 0.5)
 
 
 @pytest.mark.parametrize("hidden", [14336, 4096])
