@@ -40,8 +40,7 @@ def _wrappers(mapping: LoRAMapping, ids: list[int | None]):
 
 
 def _linear_both(ref: PunicaWrapper, tri: PunicaWrapper, x, a, b, y0, slices, ranks, scale: float) -> torch.Tensor:
-    """add_lora_linear onto copies of y0 through the torch reference (float32) and Triton wrappers of one step;
-    asserts they agree and returns Triton's."""
+    """add_lora_linear onto copies of y0 through both backends (torch in float32): they agree; Triton's result."""
     want, got = y0.float().clone(), y0.clone()
     ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, scale, slices, ranks)
     tri.add_lora_linear(got, x, a, b, None, scale, slices, ranks)
