@@ -6,7 +6,8 @@
     python bench/lora_gemm.py --in-situ --compact-slots  # the adapters in the lowest slots, as in the engine
     python bench/lora_gemm.py --in-situ --engine-tiling --a-splits 8   # the engine's settings, phase A split 8 ways
 
-Columns: cuBLAS base GEMM; "stacked" = cuBLAS GEMM over [W ; A rows below the slot bound] then
+Columns: cuBLAS base GEMM (through replicas.layers.gemm.linear, the engine's front end: cublasLt at
+17-64 rows); "stacked" = cuBLAS GEMM over [W ; A rows below the slot bound] then
 add_expand_stacked (the engine's decode path); "fused" = LoRAGemm. In situ every layer has its own
 weights (16 GB streamed per replay, so no L2 flush is needed), as a decode step sees them.
 """
@@ -29,6 +30,7 @@ from lora_core.punica import PunicaWrapper  # noqa: E402
 from lora_core.punica.lora_gemm import RANK_CHUNK, LoRAGemm, reference, tiling  # noqa: E402
 from lora_core.punica.metadata import adapter_bound, host_active  # noqa: E402
 from lora_core.stacked_a import a_rows, stack_weight  # noqa: E402
+from replicas.layers.gemm import linear  # noqa: E402
 from tests.lora_core.punica_cases import token_slots  # noqa: E402
 
 SITES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
@@ -82,7 +84,7 @@ def sweep(rows: int, sites: list[str], lora: bool, rank: int = 16) -> dict[str, 
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-        cublas = time_graph(graph_of(lambda: torch.nn.functional.linear(x, w)))
+        cublas = time_graph(graph_of(lambda: linear(x, w)))
         a = torch.randn(4, len(slices) * rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         b = torch.randn(4, n, rank, device="cuda", dtype=torch.bfloat16) / rank ** 0.5
         slots = torch.full((rows,), 2, dtype=torch.int32, device="cuda")
@@ -150,12 +152,12 @@ def in_situ(rows: int, rank: int, layers: int, best: dict, best_lora: dict, pops
         def base():
             for layer in sites:
                 for name, st in layer.items():
-                    torch.nn.functional.linear(xs[st.k], st.stacked[:st.n])
+                    linear(xs[st.k], st.stacked[:st.n])
 
         def stacked():
             for layer in sites:
                 for name, st in layer.items():
-                    out = torch.nn.functional.linear(xs[st.k], st.stacked[:st.n + bound * len(st.slices) * rank])
+                    out = linear(xs[st.k], st.stacked[:st.n + bound * len(st.slices) * rank])
                     punica.add_expand_stacked(out[:, :st.n], out[:, st.n:], st.b, st.slices,
                                               ranks[:len(st.slices)])
 
