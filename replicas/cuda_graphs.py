@@ -81,9 +81,10 @@ def layout_keys(sizes: list[int], set_layout: Callable[[int, Any], None] | None,
 class DecodeGraphs:
     """Static inputs and captured graphs of the pure decode steps of one ModelRunner.
 
-    forward(input_ids [B], positions [B], meta) -> float32 logits [B, V] is the
-    runner's model step; launch_key() returns the punica layout of the step
-    whose metadata was just set (None without LoRA).
+    forward(input_ids [B], positions [B], meta) -> logits [B, V] (any float dtype;
+    copied into a float32 buffer) is the runner's model step; launch_key()
+    returns the punica layout of the step whose metadata was just set (None
+    without LoRA).
     """
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],

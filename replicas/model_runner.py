@@ -296,8 +296,9 @@ class ModelRunner:
         return warm_up(self)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """A decode step's model pass: every row is sampled."""
-        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta)).float()
+        """A decode step's model pass: every row is sampled. Logits in the model's dtype: DecodeGraphs copies
+        them into its float32 buffer, converting as it copies (no float32 intermediate)."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     def _graph_batch(self, step: StepInput) -> int | None:
         """The padded batch a pure decode step replays at; None: not a decode-graph step (piecewise or eager)."""

@@ -65,8 +65,9 @@ class Sampler:
         n, vocab = logits.shape
         if len(seqs) != n or len(params) != n:
             raise ValueError(f"sample: {n} logits rows for {len(seqs)} sequences and {len(params)} params")
-        raw = logits.float()
-        logits = raw.clone()
+        # Every step below makes new tensors (none writes in place), so raw stays the model's logits for the
+        # logprobs without a copy: on a decode step that is the CUDA graph's static buffer.
+        raw = logits = logits.float()
 
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, seqs, params)

@@ -103,6 +103,19 @@ def test_penalties_change_sampling_not_logprobs():
     assert lps[0].logprob == pytest.approx(logits.log_softmax(-1)[0, 1].item())
 
 
+def test_sampling_leaves_the_logits_alone():
+    """The sampler reads the logits without copying them first (a decode step's are the CUDA graph's static
+    buffer): penalties, temperature, top-k/top-p, min-p and logprobs must all leave them as they were."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    for repetition in (1.0, 1.3):  # with a repetition penalty, and without (then the others act on the logits)
+        params = [SamplingParams(temperature=0, repetition_penalty=repetition, presence_penalty=0.5, logprobs=2),
+                  SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.05, seed=1, frequency_penalty=0.4),
+                  SamplingParams(temperature=1.2, logprobs=1)]
+        Sampler().sample(logits, seqs_for(params, outputs=[4, 4, 7]))
+        assert torch.equal(logits, before)
+
+
 def run_seeded(seed, batch_position, batch_size, steps=6, vocab=40):
     """Tokens of one seeded request sampled inside a batch of unseeded/other requests."""
     target = Sequence("t", [1], SamplingParams(seed=seed, top_p=0.95))
