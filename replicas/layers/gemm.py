@@ -22,6 +22,7 @@ turns it off (for A/B runs).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -34,7 +35,12 @@ _lock = threading.Lock()
 
 def cublaslt_rows() -> tuple[int, int] | None:
     """The inclusive row range whose GEMMs run through cublasLt (env LORAFLEET_CUBLASLT_ROWS), or None: off."""
-    value = os.environ.get("LORAFLEET_CUBLASLT_ROWS")
+    return _parse_rows(os.environ.get("LORAFLEET_CUBLASLT_ROWS"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_rows(value: str | None) -> tuple[int, int] | None:
+    # cached: every linear() call reads the variable (tests and A/B runs change it), but parses it once
     if value is None:
         return CUBLASLT_ROWS
     if value.strip() == "0":
@@ -49,11 +55,11 @@ def cublaslt_rows() -> tuple[int, int] | None:
 def takes_cublaslt(x: torch.Tensor) -> bool:
     """Whether linear() runs x's GEMM through cublasLt: a CUDA half-precision x whose rows are in range (on
     NVIDIA's CUDA: a ROCm build's "cuda" tensors have other libraries, not measured here)."""
-    rows = cublaslt_rows()
-    if rows is None or not x.is_cuda or torch.version.cuda is None or x.dtype not in (torch.float16, torch.bfloat16) \
+    if not x.is_cuda or torch.version.cuda is None or x.dtype not in (torch.float16, torch.bfloat16) \
             or not x.shape[-1]:
         return False
-    return rows[0] <= x.numel() // x.shape[-1] <= rows[1]
+    rows = cublaslt_rows()
+    return rows is not None and rows[0] <= x.numel() // x.shape[-1] <= rows[1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
