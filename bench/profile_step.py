@@ -49,6 +49,8 @@ def main(argv=None) -> None:
     p.add_argument("--load-processes", type=int, default=0, help="EngineArgs.lora_load_processes")
     p.add_argument("--fused-max-adapters", type=int, default=None,
                    help="EngineArgs.lora_fused_max_adapters (one launch per LoRA site; default: the engine's)")
+    p.add_argument("--pending-min-adapters", type=int, default=5,
+                   help="EngineArgs.lora_pending_min_adapters (expands fused into the next op from this many)")
     p.add_argument("--trace", default=None, help="also write the profile as a gzipped Chrome trace here")
     a = p.parse_args(argv)
     shape = TINY if a.tiny else LLAMA3_8B
@@ -61,7 +63,8 @@ def main(argv=None) -> None:
                                   max_num_seqs=max(64, a.concurrency), enable_prefix_caching=False,
                                   load_format="dummy", enforce_eager=a.enforce_eager,
                                   lora_load_processes=a.load_processes,
-                                  lora_fused_max_adapters=a.fused_max_adapters))
+                                  lora_fused_max_adapters=a.fused_max_adapters,
+                                  lora_pending_min_adapters=a.pending_min_adapters))
     reqs = make_requests(8 * a.concurrency, (8, 512), (8, 512), shape["vocab_size"], None, seed=0)
     it = iter(enumerate(reqs))
     kinds: dict[str, list[float]] = {"mixed": [], "decode": []}

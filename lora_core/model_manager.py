@@ -212,8 +212,12 @@ class LoRAModelManager:
 
     # ---- GPU tier -------------------------------------------------------------------
 
-    def activate_adapter(self, lora_id: int, stream: "torch.cuda.Stream | None" = None) -> int:
-        """Give ``lora_id`` a GPU slot (evicting the least recently used evictable one) and return it."""
+    def activate_adapter(self, lora_id: int, stream: "torch.cuda.Stream | None" = None,
+                         keep: Iterable[int] = ()) -> int:
+        """Give ``lora_id`` a GPU slot (evicting the least recently used evictable one) and return it.
+
+        stream: write the slot there (a side stream; the caller orders it after every step that may read
+        an evicted slot). keep: adapters not to evict besides the running batch's."""
         self._require(lora_id)
         if lora_id in self._active:
             self._active.move_to_end(lora_id)
@@ -221,11 +225,11 @@ class LoRAModelManager:
             return self._active[lora_id]
         slot = self._free_slot()
         if slot is None:
-            victims = self._gpu_evictable()
+            victims = self._gpu_evictable(exclude=set(keep))
             if not victims:
                 raise LoRACapacityError(f"no GPU slot for LoRA adapter {lora_id}: all {len(self._slots)} slots "
-                                        "hold pinned adapters or adapters of the running batch")
-            slot = self._release(victims[0])
+                                        "hold pinned adapters, adapters of the running batch or ones to keep")
+            slot = self._release(victims[0], stream)
         self._install(lora_id, slot, stream)
         self._host.touch(lora_id)
         return slot
@@ -334,11 +338,13 @@ class LoRAModelManager:
         exclude = exclude or set()
         return [i for i in self._active if not self._host.is_pinned(i) and i not in running and i not in exclude]
 
-    def _release(self, lora_id: int) -> int:
-        """Free the slot; zero ranks make kernels skip it until the next write overwrites its image."""
+    def _release(self, lora_id: int, stream: "torch.cuda.Stream | None" = None) -> int:
+        """Free the slot; zero ranks make kernels skip it until the next write (on ``stream``, as this one)
+        overwrites its image."""
         slot = self._active.pop(lora_id)
         self._slots[slot] = None
-        self._ranks[:, :, slot] = 0
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._ranks[:, :, slot] = 0
         return slot
 
     def _install(self, lora_id: int, slot: int, stream: "torch.cuda.Stream | None") -> None:

@@ -250,7 +250,10 @@ class LLMEngine:
 
         With async scheduling the outputs are those of the previous step's tokens (module docstring).
         """
-        failed = self._collect_loads(block=wait_for_loads and self.waiting_only_for_loads())
+        # With a step on the GPU, finished loads wait until the next step is launched: their requests then run
+        # a step later, but their slot copies overlap that step instead of stalling every row of it (_prefetch).
+        later = self._in_flight is not None
+        failed = [] if later else self._collect_loads(block=wait_for_loads and self.waiting_only_for_loads())
         previous, self._in_flight = self._in_flight, None
         out = self.scheduler.schedule()
         touched: dict[str, Sequence] = {seq.request_id: seq for seq in self._aborted_parked}
@@ -262,6 +265,9 @@ class LLMEngine:
         logits = None
         if out.scheduled:
             logits = self.executor.execute(*self._step_input(out, previous))
+        if later:
+            failed = self._collect_loads(block=False)
+        if out.scheduled:
             self._prefetch()  # on a GPU the step is still running: adapter copies overlap it
         if previous is not None:
             self._read_back(previous, touched)  # on a GPU this step runs meanwhile
@@ -337,7 +343,7 @@ class LLMEngine:
         if self.lora_config is not None:
             ids = self.scheduler.adapters_to_prefetch(self.lora_config.max_loras)
             if ids:
-                self.executor.call("prefetch_loras", ids)
+                self.executor.call("prefetch_loras", ids, sorted(self.scheduler.running_lora_ids()))
 
     def _step_input(self, out: SchedulerOutput,
                     previous: _SampledStep | None) -> tuple[StepInput, torch.Tensor | None]:

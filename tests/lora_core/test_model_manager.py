@@ -215,6 +215,24 @@ def test_running_batch_is_never_evicted():
     assert m.slot_of(1) is None
 
 
+def test_kept_adapters_are_not_evicted():
+    """activate_adapter(keep=...): the adapters a caller still needs (a prefetch's: those of running and
+    waiting requests) stay, as the running batch's do; with nothing else to evict it raises, changing nothing."""
+    m = manager(max_loras=3, max_cpu_loras=5)
+    for i in (1, 2, 3, 4, 5):
+        m.add_adapter(make_lora(i, 4))
+    for i in (1, 2, 3):
+        m.activate_adapter(i)
+    m.set_running([3])
+    assert m.activate_adapter(4, keep=[1]) == 1  # 2 goes although 1 is least recently used
+    assert m.lora_index_to_id == [1, 4, 3]
+    assert_slot_holds(m, 1, make_lora(4, 4))
+    before = snapshot(m)
+    with pytest.raises(LoRACapacityError, match="ones to keep"):
+        m.activate_adapter(5, keep=[1, 4])
+    assert snapshot(m) == before
+
+
 def test_prepare_batch():
     m = manager(max_loras=2, max_cpu_loras=4)
     for i in (1, 2, 3):

@@ -336,6 +336,55 @@ def test_waiting_request_adapter_is_prefetched(demo, lora_requests):
         [w.outputs[0].token_ids for w in want]
 
 
+def test_waiting_request_adapter_is_prefetched_over_an_idle_one(demo, lora_requests):
+    """No free slot: the prefetch evicts the adapter no request uses (not the running one), so the waiting
+    request's adapter is in a slot before the step that runs it (on a GPU, copied under the running step)."""
+    idle, running, waiting = lora_requests[0], lora_requests[1], lora_requests[2]
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", max_num_seqs=1,
+              kv_cache_memory_bytes=16 << 20)
+    engine, manager = llm.engine, llm.engine.executor.runner.lora_manager
+    for lora in (idle, running, waiting):
+        engine.add_lora(lora)
+    first = llm.generate([PROMPTS[2]], _greedy(2), idle)[0].outputs[0].token_ids
+    engine.add_request("r", PROMPTS[0], _greedy(6), running)
+    engine.add_request("w", PROMPTS[1], _greedy(6), waiting)
+    engine.step()
+    assert engine.scheduler.requests["w"].status.name == "WAITING"
+    assert manager.slot_of(waiting.lora_int_id) is not None, "the waiting request's adapter holds a slot"
+    assert manager.slot_of(running.lora_int_id) is not None and manager.slot_of(idle.lora_int_id) is None
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    want = LLM(str(demo.model_dir), enable_lora=True, max_loras=3, max_lora_rank=32, dtype="float32",
+               kv_cache_memory_bytes=16 << 20).generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], _greedy(6),
+                                                        [idle, running, waiting])
+    assert first == want[0].outputs[0].token_ids[:2]
+    assert [outputs["r"].outputs[0].token_ids, outputs["w"].outputs[0].token_ids] == \
+        [w.outputs[0].token_ids for w in want[1:]]
+
+
+def test_prefetch_never_evicts_adapters_of_running_requests(demo, lora_requests):
+    """Both slots belong to running requests: a waiting request's adapter gets none until one finishes."""
+    a, b, waiting = lora_requests[0], lora_requests[1], lora_requests[2]
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", max_num_seqs=2,
+              kv_cache_memory_bytes=16 << 20)
+    engine, manager = llm.engine, llm.engine.executor.runner.lora_manager
+    for lora in (a, b, waiting):
+        engine.add_lora(lora)
+    engine.add_request("a", PROMPTS[0], _greedy(4), a)
+    engine.add_request("b", PROMPTS[1], _greedy(8), b)
+    engine.add_request("w", PROMPTS[2], _greedy(4), waiting)
+    engine.step()
+    assert engine.scheduler.requests["w"].status.name == "WAITING"
+    assert manager.slot_of(waiting.lora_int_id) is None
+    assert {manager.slot_of(a.lora_int_id), manager.slot_of(b.lora_int_id)} == {0, 1}
+    done = set()
+    while engine.has_unfinished_requests():
+        done |= {out.request_id for out in engine.step() if out.finished}
+    assert done == {"a", "b", "w"}
+
+
 def test_pinned_adapters_keep_their_slots_and_others_still_run(demo, lora_requests):
     sql, chat, summarize = lora_requests[1], lora_requests[0], lora_requests[2]
     llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32")
