@@ -22,6 +22,7 @@ from lora_core.config import LoRAConfig
 from lora_core.errors import (AdapterShapeError, LoRAConfigError, RankTooLargeError, UnknownTargetModuleError,
                               UnsupportedAdapterError)
 from lora_core.layer_weights import LoRALayerWeights
+from lora_core.load_parts import part_of
 from lora_core.lora_model import LoRAModel
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
 from lora_core.pinned_pool import PinnedBlock, PinnedSlabPool
@@ -101,7 +102,7 @@ class AdapterPreparer:
         self.layout = SlotLayout(self.dims, slot_dtype, lora_config.bias_enabled, a_last=linear)
 
     def prepare(self, lora: LoRAModel, memory: str = "plain", pool: PinnedSlabPool | None = None,
-                out: torch.Tensor | None = None) -> HostAdapter:
+                out: torch.Tensor | None = None, part: tuple[int, int] | None = None) -> HostAdapter:
         """Validate lora against the slots and lay it out for them in ONE host allocation.
 
         memory: "plain", "pinned" (for asynchronous host-to-device copies) or
@@ -111,6 +112,8 @@ class AdapterPreparer:
         out: write into this slab (uint8, at least slot_bytes) instead: a block of a pool that a loader
         process shares with the serving one (in_block() there). Raises the typed errors of a bad
         adapter and touches nothing else (out excepted).
+        part=(k, n), with out: write only the modules of part k (load_parts.part_of), from a LoRAModel loaded
+        with the same part; the n parts together write what one whole prepare does.
         """
         if memory not in _MEMORY:
             raise ValueError(f"memory must be one of {_MEMORY}, got {memory!r}")
@@ -131,7 +134,9 @@ class AdapterPreparer:
         modules = {name: self._prepare_module(self.specs[name], layers) for name, layers in grouped.items()}
         if out is not None:
             slab = out[:self.layout.slot_bytes]
-            return HostAdapter(lora.id, lora.rank, slab, self._write_image(slab, modules))
+            return HostAdapter(lora.id, lora.rank, slab, self._write_image(slab, modules, part))
+        if part is not None:
+            raise ValueError("a part of an adapter is written into a given slab (out=) only")
         pool = pool if memory != "shared" else None
         slab, block = _slab(self.layout.slot_bytes, memory == "pinned", pool)
         if memory == "shared":
@@ -149,8 +154,8 @@ class AdapterPreparer:
         """The bytes of every adapter's slab: one slot's image (SlotLayout.slot_bytes)."""
         return self.layout.slot_bytes
 
-    def _write_image(self, slab: torch.Tensor, modules: dict[str, tuple[torch.Tensor, list[SliceWrite]]]
-                     ) -> torch.Tensor:
+    def _write_image(self, slab: torch.Tensor, modules: dict[str, tuple[torch.Tensor, list[SliceWrite]]],
+                     part: tuple[int, int] | None = None) -> torch.Tensor:
         """Lay the adapter out in slab as one slot image (zeros past its ranks); returns the ranks view.
 
         One allocation per adapter, not one per tensor: pinning or sharing is a driver or kernel call
@@ -159,8 +164,14 @@ class AdapterPreparer:
         and only that (zeroing all 84 MB of an 8B rank-16 image first took a fifth of its preparation).
         """
         ranks, regions = self.layout.image_views(slab)
-        ranks.zero_()
-        slab.index_fill_(0, self.layout.padding, 0)
+        if part is not None:  # this part's modules only, each part's ranks rows its own
+            regions = {name: views for name, views in regions.items() if part_of(name, part[1]) == part[0]}
+            for name in regions:
+                ranks[self.layout.index(name)] = 0
+        else:
+            ranks.zero_()
+        if part is None or part[0] == 0:
+            slab.index_fill_(0, self.layout.padding, 0)
         for name, (a_all, b_all, bias_all) in regions.items():
             _zero_unwritten(a_all, b_all, bias_all, modules[name][1] if name in modules else [], self.dims[name])
         for name, (module_ranks, writes) in modules.items():

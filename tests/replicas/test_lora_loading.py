@@ -220,18 +220,21 @@ def test_an_adapter_from_a_process_is_adopted_whole(demo, loras):
     assert int(adopted.ranks.max()) > 0  # a real header, not zeros
 
 
-def test_a_worker_writes_the_adapter_into_a_block_of_the_shared_pool(demo, loras, tmp_path, monkeypatch):
+@pytest.mark.parametrize("processes", [1, 3])
+def test_a_worker_writes_the_adapter_into_a_block_of_the_shared_pool(demo, loras, tmp_path, monkeypatch, processes):
     """With load processes the host pool is shared: a worker writes the adapter into a block the engine
-    handed it (no slab of its own, no copy here), byte for byte what this process would prepare. A bad
-    adapter gives its typed error and its block back; with no free block the load takes the slab path."""
+    handed it (no slab of its own, no copy here), byte for byte what this process would prepare; idle
+    workers split a load by layer, each writing its layers. A bad adapter gives its typed error and its
+    block back; with no free block the load takes the slab path."""
     import gc
     import json
     import shutil
 
-    from lora_core.errors import InvalidAdapterError
+    from lora_core.errors import InvalidAdapterError, NonFiniteWeightError
+    from safetensors.torch import load_file, save_file
 
     llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu",
-              lora_load_processes=1)
+              lora_load_processes=processes)
     try:
         runner = llm.engine.executor.runner
         loads, manager = runner.loads, runner.lora_manager
@@ -239,7 +242,11 @@ def test_a_worker_writes_the_adapter_into_a_block_of_the_shared_pool(demo, loras
         assert pool.shared
         free = pool.free_blocks
         request = loras[sorted(loras)[1]]
-        rank, adapter = loads.process_loader.load(request)
+        procs = loads.process_loader
+        submitted, submit = [], procs._pool.submit
+        procs._pool.submit = lambda fn, *args: submitted.append(args[2:]) or submit(fn, *args)
+        rank, adapter = procs.load(request)
+        assert submitted == ([(None,)] if processes == 1 else [((k, 3),) for k in range(3)])
         want = manager.prepare_adapter(loads.load(request))
         start = adapter.slab.data_ptr() - pool.region.data_ptr()
         assert adapter.block is not None and start == adapter.block.index * pool.block_bytes
@@ -252,6 +259,15 @@ def test_a_worker_writes_the_adapter_into_a_block_of_the_shared_pool(demo, loras
         with pytest.raises(InvalidAdapterError, match="does not match r="):  # every tensor named at once
             loads.process_loader.load(LoRARequest("bad", 77, str(bad)))
         assert pool.free_blocks == free - 2
+        nan = tmp_path / "nan"  # a NaN in the last layer: with parts, a part other than the first finds it
+        shutil.copytree(request.lora_path, nan)
+        tensors = load_file(str(nan / "adapter_model.safetensors"))
+        key = max((k for k in tensors if "lora_B" in k), key=lambda k: int(k.split(".layers.")[1].split(".")[0]))
+        tensors[key][0, 0] = float("nan")
+        save_file(tensors, str(nan / "adapter_model.safetensors"))
+        with pytest.raises(NonFiniteWeightError, match=key.replace(".", "[.]")):
+            loads.process_loader.load(LoRARequest("nan", 78, str(nan)))
+        assert pool.free_blocks == free - 2 and procs._busy == 0
         monkeypatch.setattr(pool, "allocate", lambda nbytes: None)  # every block taken
         rank2, fallback = loads.process_loader.load(request)
         assert fallback.block is None and torch.equal(fallback.slab, want.slab)
