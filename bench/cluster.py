@@ -94,10 +94,10 @@ class BenchReplica(LoRAReplica):
             self.counts["engine_loads"] += 1
             return load(request)
 
-        def counted_activate(lora_id, stream=None):
+        def counted_activate(lora_id, *args, **kwargs):
             if manager.slot_of(lora_id) is None:
                 self.counts["slot_loads"] += 1
-            return activate(lora_id, stream)
+            return activate(lora_id, *args, **kwargs)
 
         runner.loads.load = counted_load  # loader threads and the engine thread; int increments under the GIL
         manager.activate_adapter = counted_activate
