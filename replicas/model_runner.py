@@ -36,6 +36,10 @@ from replicas.parallel import ParallelContext
 from replicas.piecewise_graphs import PiecewiseGraphs
 from replicas.warm_up import warm_up
 
+# Evicting prefetch copies per step: an 8B rank-16 adapter's copy takes 2.2 ms of an H200's ~6.5 ms decode step
+# (bench/RESULTS.md, nineteenth session), so two hide under it; more would make the next step wait.
+PREFETCH_EVICTIONS = 2
+
 @dataclass
 class StepInput:
     """One step, as host data: sequences' new tokens laid end to end."""
@@ -115,8 +119,8 @@ class ModelRunner:
         graphs = self.device.type == "cuda" and not cfg.enforce_eager
         self.decode_graphs = self.build_decode_graphs(capture=True) if graphs else None
         self.piecewise = self.build_piecewise_graphs(capture=True) if graphs and cfg.piecewise_graphs else None
-        # Adapters for waiting requests are copied into slots on this stream, under the running step, each
-        # after the event recorded once the step's own slot writes were queued (_set_lora_mapping).
+        # Prefetches copy adapters into slots on this stream, after _slots_settled: recorded once a step's own
+        # slot writes are queued, it is passed when no earlier step can read a slot a prefetch evicts.
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._slots_settled = torch.cuda.Event() if self._side_stream is not None else None
 
@@ -184,11 +188,8 @@ class ModelRunner:
         return self.finish_lora_load(request.lora_int_id)
 
     def start_lora_load(self, request: LoRARequest) -> None:
-        """Read, validate and prepare an adapter (disk to pinned host memory) on a loader thread.
-
-        Steps keep running meanwhile; finish_lora_load registers it. A second
-        start for an id already loading is a no-op.
-        """
+        """Read, validate and prepare an adapter (disk to pinned host memory) on a loader thread. Steps keep
+        running meanwhile; finish_lora_load registers it. A second start for an id already loading is a no-op."""
         if self.lora_manager is None:
             raise UnknownLoRAError("this engine was started without enable_lora")
         self.loads.start(request)
@@ -256,25 +257,22 @@ class ModelRunner:
         self.lora_manager.add_adapter(self.loads.load(self._lora_requests[lora_id]))
 
     def prefetch_loras(self, ids: list[int], keep: Iterable[int] = ()) -> list[int]:
-        """Copy adapters of waiting requests into GPU slots, on the side stream on GPU: a free slot, else that
-        of the least recently used adapter that neither the running step nor a request reads (keep: the
-        adapters of running requests; ``ids`` themselves are kept too).
-
-        Called right after a step is launched, so on a GPU the host-to-device copies overlap that step (an
-        evicting one would otherwise stall a later step for all its rows: 2.2 ms for an 8B rank-16 adapter
-        on an H200); the next step waits for them. The copies wait for the steps before the running one (with
-        asynchronous scheduling the one before may still be on the GPU, reading an evicted slot) and for the
-        running step's slot moves. Returns the ids that now hold a slot.
-        """
+        """Copy adapters of waiting requests into slots, on the side stream on GPU, right after a step's launch
+        so that the copies overlap it (the next step waits for them): a free slot, else the least recently used
+        adapter's that neither the running step nor ``keep`` (running requests) nor ``ids`` uses, at most
+        PREFETCH_EVICTIONS such per call. The copies first wait for _slots_settled. The ids now in a slot."""
         if self.lora_manager is None:
             return []
-        manager, loaded = self.lora_manager, []
+        manager, loaded, evictions = self.lora_manager, [], 0
         keep = frozenset(keep) | frozenset(ids)
         if self._side_stream is not None:
             self._side_stream.wait_event(self._slots_settled)
         for lora_id in ids:
             registered = lora_id in manager.list_adapters()
             if not registered or manager.slot_of(lora_id) is None:
+                evicts = None not in manager.lora_index_to_id
+                if evicts and evictions >= PREFETCH_EVICTIONS:
+                    break
                 if not registered:
                     if len(manager.list_adapters()) >= self.cfg.lora_config.max_cpu_loras:
                         break  # making room would evict from the host cache: leave that to the step
@@ -283,6 +281,7 @@ class ModelRunner:
                     manager.activate_adapter(lora_id, stream=self._side_stream, keep=keep)
                 except LoRACapacityError:  # every slot is in use or kept: the step will make room
                     break
+                evictions += evicts
             loaded.append(lora_id)
         return loaded
 
@@ -361,12 +360,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the step; returns float32 logits [len(sample_rows), vocab].
-
-        previous_tokens: the previous step's sampled token ids, on this device, when step.fill_rows
-        names input rows that take one of them. Rank 0 has them (it samples) and sends them to the
-        other tensor-parallel ranks, which pass None.
-        """
+        """Run the step; returns float32 logits [len(sample_rows), vocab]. previous_tokens: the previous step's
+        sampled token ids, on this device, when step.fill_rows names input rows that take one of them. Rank 0
+        has them (it samples) and sends them to the other tensor-parallel ranks, which pass None."""
         dev = self.device
         n = len(step.input_ids)
         batch = self._graph_batch(step)

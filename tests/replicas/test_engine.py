@@ -336,15 +336,21 @@ def test_waiting_request_adapter_is_prefetched(demo, lora_requests):
         [w.outputs[0].token_ids for w in want]
 
 
+def _two_slots(demo, loras, max_num_seqs):
+    """An engine with two GPU slots and these adapters registered (host memory): requests wait for a slot,
+    not a disk load."""
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32",
+              max_num_seqs=max_num_seqs, kv_cache_memory_bytes=16 << 20)
+    for lora in loras:
+        llm.engine.add_lora(lora)
+    return llm, llm.engine, llm.engine.executor.runner.lora_manager
+
+
 def test_waiting_request_adapter_is_prefetched_over_an_idle_one(demo, lora_requests):
     """No free slot: the prefetch evicts the adapter no request uses (not the running one), so the waiting
     request's adapter is in a slot before the step that runs it (on a GPU, copied under the running step)."""
     idle, running, waiting = lora_requests[0], lora_requests[1], lora_requests[2]
-    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", max_num_seqs=1,
-              kv_cache_memory_bytes=16 << 20)
-    engine, manager = llm.engine, llm.engine.executor.runner.lora_manager
-    for lora in (idle, running, waiting):
-        engine.add_lora(lora)
+    llm, engine, manager = _two_slots(demo, (idle, running, waiting), max_num_seqs=1)
     first = llm.generate([PROMPTS[2]], _greedy(2), idle)[0].outputs[0].token_ids
     engine.add_request("r", PROMPTS[0], _greedy(6), running)
     engine.add_request("w", PROMPTS[1], _greedy(6), waiting)
@@ -364,14 +370,30 @@ def test_waiting_request_adapter_is_prefetched_over_an_idle_one(demo, lora_reque
         [w.outputs[0].token_ids for w in want[1:]]
 
 
+def test_a_prefetch_evicts_for_at_most_a_few_adapters(demo, lora_requests):
+    """A burst of waiting adapters: one prefetch call evicts for PREFETCH_EVICTIONS of them (the copies a
+    step can hide); the rest wait for later calls or their step."""
+    from replicas.model_runner import PREFETCH_EVICTIONS
+
+    idle = lora_requests[:3]
+    more = [LoRARequest(f"{r.lora_name}-again", 100 + r.lora_int_id, r.lora_path) for r in idle]
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=3, max_cpu_loras=6, max_lora_rank=32,
+              dtype="float32", kv_cache_memory_bytes=16 << 20)
+    runner = llm.engine.executor.runner
+    for r in (*idle, *more):
+        llm.engine.add_lora(r)
+    for r in idle:
+        runner.lora_manager.activate_adapter(r.lora_int_id)
+    ids = [r.lora_int_id for r in more]
+    assert PREFETCH_EVICTIONS < len(ids)
+    assert runner.prefetch_loras(ids) == ids[:PREFETCH_EVICTIONS]
+    assert sorted(runner.lora_manager.lora_index_to_id) == sorted(ids[:PREFETCH_EVICTIONS] + [idle[-1].lora_int_id])
+
+
 def test_prefetch_never_evicts_adapters_of_running_requests(demo, lora_requests):
     """Both slots belong to running requests: a waiting request's adapter gets none until one finishes."""
     a, b, waiting = lora_requests[0], lora_requests[1], lora_requests[2]
-    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", max_num_seqs=2,
-              kv_cache_memory_bytes=16 << 20)
-    engine, manager = llm.engine, llm.engine.executor.runner.lora_manager
-    for lora in (a, b, waiting):
-        engine.add_lora(lora)
+    _, engine, manager = _two_slots(demo, (a, b, waiting), max_num_seqs=2)
     engine.add_request("a", PROMPTS[0], _greedy(4), a)
     engine.add_request("b", PROMPTS[1], _greedy(8), b)
     engine.add_request("w", PROMPTS[2], _greedy(4), waiting)
