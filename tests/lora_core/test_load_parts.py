@@ -87,3 +87,25 @@ def test_each_part_checks_the_whole_structure_and_its_own_values(adapter, tmp_pa
     for k in range(2):  # a rank above the limit: every part refuses, whichever layers it reads
         with pytest.raises(RankTooLargeError):
             _load(adapter, (k, 2), config=small)
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_peft_adapter_with_embeddings_in_parts_equals_whole(make_peft_adapter, expected_lora_modules,
+                                                            llama_module_specs, parts):
+    """A real PEFT adapter on the embeddings and lm_head too (part 0's, outside the layers), ranks per module."""
+    path, _ = make_peft_adapter(seed=7, r=8, lora_alpha=16, rank_pattern={"down_proj": 4},
+                                target_modules=["q_proj", "v_proj", "down_proj", "embed_tokens", "lm_head"])
+    config = LoRAConfig(max_loras=2, max_lora_rank=8, lora_dtype="float32")
+    preparer = AdapterPreparer({s.name: s for s in llama_module_specs}, config, torch.float32)
+
+    def load(part=None):
+        return LoRAModel.from_local_checkpoint(path, expected_lora_modules, lora_config=config,
+                                               module_specs=llama_module_specs, part=part)
+
+    want = preparer.prepare(load())
+    slab = torch.full((preparer.max_slab_bytes(),), 0x5A, dtype=torch.uint8)
+    for k in range(parts):
+        lora = load((k, parts))
+        assert ("model.embed_tokens" in lora.loras) == (k == 0) and ("lm_head" in lora.loras) == (k == 0)
+        preparer.prepare(lora, out=slab, part=(k, parts))
+    assert torch.equal(slab, want.slab)
