@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from lora_core.config import LoRAConfig
 from lora_core.demo import ADAPTERS, LAYERS, llama_specs, write_adapter
-from lora_core.errors import NonFiniteWeightError, RankTooLargeError
+from lora_core.errors import CorruptAdapterError, NonFiniteWeightError, RankTooLargeError
 from lora_core.host_adapter import AdapterPreparer
 from lora_core.load_parts import part_of, read_part
 from lora_core.lora_model import WEIGHTS_NAME, LoRAModel
@@ -109,3 +109,14 @@ def test_peft_adapter_with_embeddings_in_parts_equals_whole(make_peft_adapter, e
         assert ("model.embed_tokens" in lora.loras) == (k == 0) and ("lm_head" in lora.loras) == (k == 0)
         preparer.prepare(lora, out=slab, part=(k, parts))
     assert torch.equal(slab, want.slab)
+
+
+def test_a_truncated_file_fails_every_part_alike(adapter, tmp_path):
+    bad = tmp_path / "truncated"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    data = (adapter / WEIGHTS_NAME).read_bytes()
+    (bad / WEIGHTS_NAME).write_bytes(data[:len(data) // 2])
+    for k in range(2):
+        with pytest.raises(CorruptAdapterError, match="not a readable safetensors file"):
+            _load(bad, (k, 2))
