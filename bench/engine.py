@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"time {row['scenario']:18} wall {row['wall_s']:6.2f}  decode {row['decode_s']:6.2f} "
                   f"({row['decode_steps_all']:5d}, {row['decode_rows']:5.1f} rows)  prompt {row['prompt_s']:6.2f} "
                   f"({row['prompt_steps']:4d})  outside {row['outside_s']:6.2f}  Triton compiles {row['compiles']}"
-                  f"  slot copies {row['slot_copies_in_step']} / {row['slot_copies_ahead']}")
+                  f"  slot copies {row['slot_copies_in_step']} / {row['slot_copies_ahead']}  TTFT p50 parts (ms): "
+                  f"load {row['ttft_load_p50_ms']:.1f} queued {row['ttft_queue_p50_ms']:.1f} "
+                  f"to first token {row['ttft_first_p50_ms']:.1f}")
     for row in rows:
         if row.get("compiled"):
             print(f"compiled while {row['scenario']} ran: {row['compiled']}")

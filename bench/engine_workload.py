@@ -211,20 +211,30 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Recorder:
-    """Per-step wall time and shape (wrapping engine._step_input), and adapter loads from disk (rank 0's
-    background loads and synchronous reloads, on threads or in loader processes)."""
+    """Per-step wall time and shape (wrapping engine._step_input), adapter loads from disk (rank 0's
+    background loads and synchronous reloads, on threads or in loader processes), and when each request
+    joined the scheduler (after its adapter's load) and first ran (TTFT's parts)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[tuple[float, bool, int, int, int]] = []  # seconds, prefill, batch, adapters, kv tokens
         self.loads, self._last = 0, None
-        make_input = engine._step_input
+        self.admitted: dict[str, float] = {}  # request id -> when it joined the scheduler's queue
+        self.started: dict[str, float] = {}  # request id -> when a step first scheduled it
+        make_input, add = engine._step_input, engine.scheduler.add
 
         def recording(out, previous):
+            now = time.perf_counter()
+            for s in out.scheduled:
+                self.started.setdefault(s.seq.request_id, now)
             inputs = make_input(out, previous)
             self._last = inputs[0]
             return inputs
 
-        engine._step_input = recording
+        def admitting(seq):
+            self.admitted.setdefault(seq.request_id, time.perf_counter())
+            return add(seq)
+
+        engine._step_input, engine.scheduler.add = recording, admitting
         runner = getattr(engine.executor, "runner", None)
         self.manager = getattr(runner, "lora_manager", None)  # rank 0's: its host-to-slot copies
         if runner is not None and runner.loads is not None:
@@ -283,13 +293,19 @@ def drive(engine: LLMEngine, rec: Recorder, reqs: list[Request], loras: list, co
                 done[i], ntok[i] = end, len(out.outputs[0].token_ids)
                 active -= 1
     copies = {k: v - copies0[k] for k, v in rec.manager.host_copies.items()} if rec.manager is not None else {}
+    ids = {i: f"{tag}-{i}" for i in done}
     return dict(added=added, first=first, done=done, ntok=ntok, wall=max(done.values()) - t0,
-                steps=list(rec.steps), loads=rec.loads - loads0, copies=copies)
+                steps=list(rec.steps), loads=rec.loads - loads0, copies=copies,
+                admitted={i: rec.admitted[r] for i, r in ids.items() if r in rec.admitted},
+                started={i: rec.started[r] for i, r in ids.items() if r in rec.started})
 
 
 def summarize(name: str, rank: int, registered: int, run: dict, concurrency: int) -> dict:
     ntok = run["ntok"]
     ttft = [run["first"][i] - run["added"][i] for i in ntok]
+    # TTFT's parts: until the request joined the queue (its adapter's load), queued, first step to first token
+    split = [(run["admitted"][i] - run["added"][i], run["started"][i] - run["admitted"][i],
+              run["first"][i] - run["started"][i]) for i in ntok if i in run["admitted"] and i in run["started"]]
     tpot = [(run["done"][i] - run["first"][i]) / (n - 1) for i, n in ntok.items() if n > 1]
     decode = [s for s in run["steps"] if not s[1]]
     full = [s for s in decode if s[2] == concurrency]
@@ -299,6 +315,8 @@ def summarize(name: str, rank: int, registered: int, run: dict, concurrency: int
                 wall_s=run["wall"], tok_s=sum(ntok.values()) / run["wall"],
                 ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
                 tpot_p50_ms=1e3 * percentile(tpot, 50), tpot_p99_ms=1e3 * percentile(tpot, 99),
+                **{f"ttft_{part}_p50_ms": 1e3 * percentile([s[k] for s in split], 50)
+                   for k, part in enumerate(("load", "queue", "first"))},
                 decode_ms=1e3 * percentile([s[0] for s in use], 50), decode_batch=mean([s[2] for s in use]),
                 decode_steps=len(use), adapters=mean([s[3] for s in use]), kv_tokens=mean([s[4] for s in use]),
                 loads=run["loads"], slot_copies_in_step=run["copies"].get("in_step", 0),

@@ -93,6 +93,11 @@ def test_csv_holds_every_row(tiny_run):
             assert math.isclose(float(rows[name]["x_decode_ceiling"]), base_ms / (base_ms + bound)), name
         assert int(rows[name]["tokens"]) > 0
     assert int(rows["one-r16"]["loads"]) == 1  # registered once, reused by every request
+    # TTFT's parts: a base request joins the queue as it is added; a distinct one after its adapter's load
+    parts = {name: [float(rows[name][f"ttft_{p}_p50_ms"]) for p in ("load", "queue", "first")] for name in rows
+             if name in ENGINE_ROWS}
+    assert all(v >= 0 for name in parts for v in parts[name]), parts
+    assert parts["base"][0] < min(1.0, parts["distinct-r16"][0]) and parts["base"][2] > 0, parts
     assert int(rows["distinct-r16"]["loads"]) == int(rows["distinct-r16"]["requests"])
     assert math.isfinite(float(rows["ours-distinct"]["x_hf"]))
 
