@@ -308,3 +308,28 @@ def test_every_load_process_gets_a_load_in_flight(monkeypatch):
         assert sorted(loads.future(i).result(timeout=30)[0] for i in range(1, processes + 1)) == [1, 2, 3, 4]
     finally:
         loads.close()
+
+
+def test_a_load_that_ends_under_a_step_joins_after_the_next_launch(demo, loras):
+    """Asynchronous scheduling: a load that finished while a step was in flight is taken in after the next step
+    is launched; its adapter is copied into a slot under that step (on a GPU, on the side stream) and its request
+    runs in the step after, with the tokens a plain engine gives."""
+    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu")
+    llm = LLM(str(demo.model_dir), async_scheduling=True, **kwargs)
+    engine, runner = llm.engine, llm.engine.executor.runner
+    sql = loras["demo-sql"]
+    engine.add_request("base", "The quick brown fox", _greedy(12))
+    engine.step()
+    assert engine._in_flight is not None
+    engine.add_request("a", "SELECT", _greedy(), sql)
+    runner.loads.future(sql.lora_int_id).result(timeout=30)  # the load is over, a step is in flight
+    engine.step()
+    assert engine.scheduler.requests["a"].status.name == "WAITING"  # not in the step launched just now
+    assert runner.lora_manager.slot_of(sql.lora_int_id) is not None  # but in a slot already
+    engine.step()
+    assert engine.scheduler.requests["a"].status.name == "RUNNING"
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    want = LLM(str(demo.model_dir), **kwargs).generate(["SELECT"], _greedy(), [sql])[0]
+    assert done["a"].outputs[0].token_ids == want.outputs[0].token_ids
