@@ -6,7 +6,8 @@ loads its row's slot, then that slot's rank for its slice, then its B tile maske
 round trips before the bytes. The second run makes every rank the constant --rank (each slot of
 pending_expand's cases has that rank, so the results are the same), so the B tile waits for the slot alone.
 If that saves a microsecond or more per site, a per-row rank table built with the step's metadata (loaded
-beside the slot, not after it) is worth building.
+beside the slot, not after it) is worth building. On an H200 it saved 0.1-0.5 us per site, and ranks loaded
+beside the slot as a vector ran no faster overall (bench/RESULTS.md, nineteenth session): no table.
 
     python bench/rank_latency.py --sites gate_up qkv o down --tokens 16 32 --adapters 1 10 32
 
