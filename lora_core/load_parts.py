@@ -40,12 +40,10 @@ def read_part(path: Path, part: int, parts: int) -> dict[str, torch.Tensor]:
     out = {}
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
-            dtype = None
-            if part_of(key, parts) != part:
-                lazy = f.get_slice(key)
-                dtype = _DTYPES.get(lazy.get_dtype())
-            out[key] = (torch.empty(lazy.get_shape(), dtype=dtype, device="meta") if dtype is not None
-                        else f.get_tensor(key))
+            lazy = f.get_slice(key) if part_of(key, parts) != part else None
+            dtype = _DTYPES.get(lazy.get_dtype()) if lazy is not None else None
+            out[key] = (f.get_tensor(key) if dtype is None
+                        else torch.empty(lazy.get_shape(), dtype=dtype, device="meta"))
     return out
 
 
