@@ -15,6 +15,7 @@ import torch
 
 from lora_core.config import LoRAConfig
 from lora_core.errors import LoRACapacityError
+from lora_core.adapter_structure import AdapterStructures
 from lora_core.lora_model import LoRAModel
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAModuleSpec
@@ -37,6 +38,7 @@ class AdapterLoads:
                  processes: int = 0, pin: bool = False) -> None:
         self.manager, self.lora_config, self.specs = manager, lora_config, specs
         self.expected = sorted({s for spec in specs for s in spec.sub_modules})
+        self.structures = AdapterStructures()  # structures checked once (lora_core/adapter_structure.py)
         self._loads: dict[int, tuple[LoRARequest, Future]] = {}
         self._threads: ThreadPoolExecutor | None = None
         # With worker processes each load in flight holds a thread only to wait and copy the result
@@ -73,7 +75,8 @@ class AdapterLoads:
         every caller lays it out into a host slab at once and drops it (load_prepared, ModelRunner._register),
         so a copy of each tensor first would cost ~8 of a rank-16 8B load's ~50 ms for nothing."""
         return LoRAModel.from_local_checkpoint(request.lora_path, self.expected, lora_model_id=request.lora_int_id,
-                                               lora_config=self.lora_config, module_specs=self.specs, copy=False)
+                                               lora_config=self.lora_config, module_specs=self.specs, copy=False,
+                                               structures=self.structures)
 
     def done(self) -> list[int]:
         """Ids whose background load has finished (successfully or not), oldest first."""

@@ -15,8 +15,13 @@ rate; with the 8B engine, rows with many loads gained 11-26% tok/s
 With a shared host pool (PinnedSlabPool(shared=True), the manager's when load processes are on) the
 serving process hands the worker a free block and the worker writes the adapter straight into it: no slab
 per adapter in shared memory (its fresh pages cost 2.5-4x the load itself) and no copy on this side.
-A load that finds idle workers splits over them by layer (lora_core/load_parts.py), each writing its
-layers into the block: an 8B rank-16 adapter in 4 parts took 14 ms a part against 37 ms whole (locally).
+Every such load splits by layer over all the workers (lora_core/load_parts.py), each part writing its layers
+into the block, and the parts of loads in flight queue in arrival order: a load waits for the loads ahead of
+it and then ~1/n of its own time, and no worker idles while a part waits. A part's per-key checks run once
+per adapter structure in each worker (lora_core/adapter_structure.py), so the split adds little work: an
+8B rank-16 adapter took 33 ms whole and 9 ms a part in 4 (locally; 14 ms before structures were kept).
+(Splitting only over idle workers ran a load that arrived under another's parts whole, on one worker, after
+them: p50 of the benchmark's adapter wait 63 ms against 33 for a load alone; bench/RESULTS.md.)
 
 Worker processes are spawned, so a script that builds an engine with this on
 must guard its entry point with ``if __name__ == "__main__":`` (as for tensor
@@ -27,7 +32,6 @@ parallelism); hence opt-in for LLM() users, and on in deploy/config.gpu.yaml
 from __future__ import annotations
 
 import multiprocessing as mp
-import threading
 from concurrent.futures import ProcessPoolExecutor, wait
 from typing import Callable
 
@@ -36,6 +40,7 @@ import torch.multiprocessing  # noqa: F401  (tensors cross the process boundary 
 
 from lora_core.config import LoRAConfig
 from lora_core.host_adapter import AdapterPreparer, HostAdapter
+from lora_core.adapter_structure import AdapterStructures
 from lora_core.lora_model import LoRAModel
 from lora_core.module_spec import LoRAModuleSpec
 from lora_core.pinned_pool import PinnedSlabPool
@@ -48,7 +53,7 @@ def _init(preparer: AdapterPreparer, expected: list[str], lora_config: LoRAConfi
           region: torch.Tensor | None, block_bytes: int) -> None:
     torch.set_num_threads(1)
     _worker.update(preparer=preparer, expected=expected, lora_config=lora_config, specs=specs, region=region,
-                   block_bytes=block_bytes)
+                   block_bytes=block_bytes, structures=AdapterStructures())
 
 
 def _read(request: LoRARequest, part: tuple[int, int] | None = None) -> LoRAModel:
@@ -56,7 +61,7 @@ def _read(request: LoRARequest, part: tuple[int, int] | None = None) -> LoRAMode
     # tensors serve (one copy fewer per load).
     return LoRAModel.from_local_checkpoint(request.lora_path, _worker["expected"], lora_model_id=request.lora_int_id,
                                            lora_config=_worker["lora_config"], module_specs=_worker["specs"],
-                                           copy=False, part=part)
+                                           copy=False, part=part, structures=_worker["structures"])
 
 
 def _load(request: LoRARequest) -> tuple[int, HostAdapter]:
@@ -95,8 +100,6 @@ class ProcessAdapterLoader:
         self._preparer = preparer
         self._adopt = adopt
         self._workers = workers
-        self._busy = 0  # parts submitted and not yet done, over every load
-        self._lock = threading.Lock()
         for _ in range(workers):  # start the workers now: importing torch there takes seconds
             self._pool.submit(_ready)
 
@@ -108,11 +111,7 @@ class ProcessAdapterLoader:
         if block is None:
             rank, shared = self.load_shared(request)
             return rank, self._adopt(shared) if self._adopt is not None else shared
-        # Split over the workers no other load keeps busy: one load then waits ~1/n as long (each part repeats
-        # ~6 ms of per-key checks, so under a queue of loads whole ones go faster overall).
-        with self._lock:
-            parts = max(1, self._workers - self._busy)
-            self._busy += parts
+        parts = self._workers
         futures = []
         try:
             for k in range(parts):
@@ -125,9 +124,6 @@ class ProcessAdapterLoader:
             wait(futures)
             self._host_pool.release(block)  # a bad adapter (or a lost worker) leaves the block free
             raise
-        finally:
-            with self._lock:
-                self._busy -= parts
         rank = futures[0].result()
         return rank, self._preparer.in_block(request.lora_int_id, rank, block, self._host_pool)
 

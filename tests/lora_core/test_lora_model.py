@@ -166,7 +166,7 @@ def test_helper_passed_in_is_used(make_peft_adapter, expected_lora_modules):
 def test_all_finite_reads_the_exponent_bits(dtype):
     """The CPU bit test agrees with torch.isfinite at the edges: the largest finite magnitudes of either sign,
     subnormals, signed zeros, NaN and both infinities, in contiguous, strided and empty tensors."""
-    from lora_core.lora_model import all_finite
+    from lora_core.adapter_checks import all_finite
 
     info = torch.finfo(dtype)
     edges = torch.tensor([info.max, -info.max, info.tiny / 2, -info.tiny / 2, 0.0, -0.0, 1.0], dtype=dtype)
