@@ -5,9 +5,19 @@ its steps uses that one adapter (replicas/lora_merge.py), so those steps run
 no LoRA kernel at all. This is the arithmetic only: it reads the slot as the
 kernels do (LoRASlotBuffers: the scaling already folded into B, zeros past the
 adapter's rank, so the padded rank adds nothing) and knows no model.
+
+Taking the delta back out must give the base weight bit for bit, or every
+switch would leave it a little further off. W + BA rounded, minus BA rounded,
+is W again for most elements but not all (where the sum crossed into a larger
+binade, or the delta dwarfs the weight). merge_slot_delta therefore runs the
+very removal that remove_slot_delta will run (the same op on the same memory,
+so the same bits), compares it with W, and keeps W's value where they differ:
+a few bytes per such element, where a copy of the weights costs two per element.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -51,3 +61,72 @@ def add_slot_delta(weight: torch.Tensor, buffers: LoRASlotBuffers, slot: int,
         else:
             torch.addmm(base.narrow(0, offset, width), lora_b, lora_a, out=rows)
         offset += width
+
+
+@dataclass
+class SliceUndo:
+    """What takes one output slice's delta back out: its factors (private copies, so a slot reused meanwhile
+    changes nothing), and the base values of the elements the subtraction does not restore."""
+
+    offset: int
+    width: int
+    b: torch.Tensor  # [width, R], the weight's dtype
+    a: torch.Tensor  # [R, in]
+    fix_index: torch.Tensor  # int32 [n], flat indices into the slice's rows
+    fix_value: torch.Tensor  # [n], the base weight there
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.b, self.a, self.fix_index, self.fix_value))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as integers of its width (so NaN, -0.0 and +0.0 compare as what they are)."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _subtract(rows: torch.Tensor, undo: SliceUndo) -> None:
+    rows.addmm_(undo.b, undo.a, alpha=-1)
+
+
+def merge_slot_delta(weight: torch.Tensor, buffers: LoRASlotBuffers, slot: int,
+                     max_fixups: int) -> list[SliceUndo] | None:
+    """add_slot_delta, keeping what remove_slot_delta needs to give the base weight back bit for bit; None,
+    with the weight untouched, where more than max_fixups elements would need their base value kept.
+    Reads each fixup count back to the host (a sync per slice)."""
+    if not weight.is_contiguous():
+        raise LoRAConfigError(f"{buffers.spec.name}: a merge keeps flat indices into the weight: it must be contiguous")
+    base = weight.clone()
+    merged = torch.empty_like(weight)
+    add_slot_delta(merged, buffers, slot, base=base)  # checks the buffers and shapes first
+    a_all, b_all = buffers.lora_a[:, slot], buffers.lora_b[slot]
+    undos, offset = [], 0
+    try:
+        for index, width in enumerate(buffers.output_slices):
+            undo = SliceUndo(offset, width, b_all.narrow(0, offset, width).to(weight.dtype, copy=True),
+                             a_all[index].to(weight.dtype, copy=True), torch.empty(0), torch.empty(0))
+            rows, was = weight.narrow(0, offset, width), base.narrow(0, offset, width)
+            rows.copy_(merged.narrow(0, offset, width))
+            _subtract(rows, undo)  # what remove_slot_delta will compute, in the same memory
+            differ = (_bits(rows) != _bits(was)).view(-1)
+            max_fixups -= int(differ.sum())
+            if max_fixups < 0:
+                weight.copy_(base)
+                return None
+            bad = torch.nonzero(differ).squeeze(1)
+            undo.fix_index, undo.fix_value = bad.to(torch.int32), was.reshape(-1)[bad]
+            undos.append(undo)
+            offset += width
+    except BaseException:  # also where an allocation fails
+        weight.copy_(base)
+        raise
+    weight.copy_(merged)
+    return undos
+
+
+def remove_slot_delta(weight: torch.Tensor, undos: list[SliceUndo]) -> None:
+    """The base weight back, bit for bit, from a weight that merge_slot_delta merged (and nothing since)."""
+    for undo in undos:
+        rows = weight.narrow(0, undo.offset, undo.width)
+        _subtract(rows, undo)
+        rows.view(-1)[undo.fix_index.long()] = undo.fix_value

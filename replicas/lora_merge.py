@@ -7,15 +7,17 @@ projection, 128 pairs per step on an 8B model (~1.5 ms at batch 32 against a
 steps run the base model's kernels and CUDA graphs and cost what a base step
 costs. Opt-in (EngineArgs.lora_merge_steps), because:
 
-- Memory: a copy of every LoRA-able linear weight stays on the device, so that
-  unmerging restores the base weights exactly (W' - B A in bf16 would not give
-  W back, and the error would grow with every switch): about the model's size
-  again (14 GB for an 8B model in bf16, per TP rank its shard).
+- Memory: unmerging must restore the base weights bit for bit (W' - B A in bf16 does not give W back
+  everywhere, and the error would grow with every switch). A merge keeps the adapter's factors and the base
+  value of each element the subtraction would not restore (lora_core/merge.py: found by running that very
+  subtraction at merge time), at most MAX_FIXUP_FRACTION of the weights' elements; an adapter that would
+  need more is not merged. (Until the twentieth session a full copy of the weights was kept: the model's size
+  again.)
 - Numerics: a merged step rounds W + B A into the weights' dtype once, as
   PEFT's merge_and_unload does; the LoRA path adds x A B to x W. Greedy tokens
   can differ where two logits tie within that rounding.
-- Switching: a merge or an unmerge rewrites every linear weight (8B on an H200:
-  19 ms and 7 ms, bench/lora_merge.py), so an adapter merges only after
+- Switching: a merge or an unmerge rewrites every linear weight (bench/lora_merge.py times both; a merge
+  reads its fixup counts back to the host), so an adapter merges only after
   ``merge_after`` consecutive steps that use it alone, and unmerges at the
   first step that does not.
 
@@ -28,18 +30,29 @@ own shards from its own slots, so no collective is needed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from lora_core.merge import add_slot_delta, check_mergeable
+from lora_core.merge import SliceUndo, check_mergeable, merge_slot_delta, remove_slot_delta
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind
+from replicas.lora_layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
+
+
+# Most device bytes a merge's undo may take, as a share of the merged weights' bytes (a copy of them: 1.0). Each
+# element whose base value is kept costs 4 + its own bytes, so in bf16 up to 1 in 6 elements. The share of
+# elements an adapter needs is about its delta's size relative to the weights' (|B A| / |W| of 0.3% / 3%: 0.5% /
+# 3.2% of the elements, random bf16 layers; bench/lora_merge.py prints it); an adapter that needs more runs
+# unmerged.
+MAX_UNDO_SHARE = 0.5
 
 
 class LoRAMerger:
-    def __init__(self, layers: Sequence[torch.nn.Module], manager: LoRAModelManager, merge_after: int) -> None:
-        """layers: the model's linear LoRA wrappers (each has .base.weight and .spec)."""
+    def __init__(self, layers: Sequence[torch.nn.Module], manager: LoRAModelManager, merge_after: int,
+                 agree: Callable[[bool], bool] = lambda ok: ok) -> None:
+        """layers: the model's linear LoRA wrappers (each has .base.weight and .spec). agree(ok): whether every
+        TP rank's merge went through (each checks only its own shards), so that all merge or none does."""
         if merge_after < 1:
             raise ValueError(f"merge_after must be >= 1, got {merge_after}")
         self.manager = manager
@@ -47,8 +60,11 @@ class LoRAMerger:
         self._layers = [(layer.base.weight, manager.buffers(layer.spec.name)) for layer in layers]
         for _, buffers in self._layers:
             check_mergeable(buffers)
-        # The base weights, restored by one copy each on unmerge (exact: no subtraction).
-        self._base = [weight.detach().clone() for weight, _ in self._layers]
+        # Per layer, what takes the merged adapter's delta back out exactly (None: nothing merged).
+        self._undo: list[list[SliceUndo]] | None = None
+        self.max_fixups = int(MAX_UNDO_SHARE * sum(weight.numel() * weight.element_size() for weight, _ in self._layers)
+                              / (4 + self._layers[0][0].element_size()))
+        self._agree = agree
         # Modules a mergeable adapter must leave alone: their LoRA is not a linear weight's delta.
         self._unmergeable_rows = [manager.layout.index(name) for name, spec in manager.specs.items()
                                   if spec.kind is not LoRAKind.LINEAR]
@@ -57,8 +73,20 @@ class LoRAMerger:
         self._candidate, self._streak = 0, 0
         self.merges = 0  # merges done, for tests and benchmarks
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, manager: LoRAModelManager, merge_after: int,
+                  agree: Callable[[bool], bool] = lambda ok: ok) -> "LoRAMerger":
+        """A merger over every linear LoRA layer of the model."""
+        linear = [m for m in model.modules() if isinstance(m, (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA))]
+        return cls(linear, manager, merge_after, agree)
+
     def backup_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._base)
+        """Device bytes the merged adapter's undo holds (0 while nothing is merged)."""
+        return sum(u.nbytes for undos in self._undo or [] for u in undos)
+
+    def fixups(self) -> int:
+        """Elements whose base value the merged adapter's undo keeps."""
+        return sum(u.fix_index.numel() for undos in self._undo or [] for u in undos)
 
     def plan(self, token_ids: Sequence[int], sample_ids: Sequence[int]) -> int | None:
         """The adapter this step's rows should run merged with (None: the LoRA path). Call once per step.
@@ -97,14 +125,31 @@ class LoRAMerger:
         if self._candidate == lora_id:
             self._candidate, self._streak = 0, 0
 
-    def merge(self, lora_id: int, slot: int) -> None:
-        """W = W_base + delta of the adapter in ``slot`` (its image must be written, in stream order)."""
-        for (weight, buffers), base in zip(self._layers, self._base):
-            add_slot_delta(weight, buffers, slot, base=base)
-        self.merged = lora_id
+    def merge(self, lora_id: int, slot: int) -> bool:
+        """W = W_base + delta of the adapter in ``slot`` (its image must be written, in stream order). False,
+        with the weights as they were and the adapter no longer mergeable, where its undo would need more than
+        max_fixups base values on this rank or another."""
+        undos, left, ok = [], self.max_fixups, True
+        try:
+            for weight, buffers in self._layers:
+                undo = merge_slot_delta(weight, buffers, slot, left)
+                if undo is None:
+                    ok = False
+                    break
+                undos.append(undo)
+                left -= sum(u.fix_index.numel() for u in undo)
+        except torch.cuda.OutOfMemoryError:  # the undo did not fit beside the KV cache: serve it unmerged
+            ok = False
+        if not self._agree(ok):
+            for (done, _), done_undo in zip(self._layers, undos):
+                remove_slot_delta(done, done_undo)
+            self._mergeable[lora_id] = False
+            return False
+        self._undo, self.merged = undos, lora_id
         self.merges += 1
+        return True
 
     def unmerge(self) -> None:
-        for (weight, _), base in zip(self._layers, self._base):
-            weight.copy_(base)
-        self.merged = None
+        for (weight, _), undo in zip(self._layers, self._undo or []):
+            remove_slot_delta(weight, undo)
+        self._undo, self.merged = None, None

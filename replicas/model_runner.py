@@ -27,8 +27,8 @@ import torch.distributed as dist
 from replicas.adapter_loads import AdapterLoads
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
-from replicas.lora_layers import (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA, add_lora, fused_max_adapters,
-                                  lora_module_specs, pending_max_tokens, stack_lora_weights, stacked_max_tokens)
+from replicas.lora_layers import (add_lora, fused_max_adapters, lora_module_specs, pending_max_tokens,
+                                  stack_lora_weights, stacked_max_tokens)
 from replicas.lora_merge import LoRAMerger
 from replicas.model_config import ModelConfig
 from replicas.models import dummy_model, load_model
@@ -150,10 +150,9 @@ class ModelRunner:
                                                                           cfg.lora_config.max_lora_rank),
                                     pending_min_adapters=cfg.lora_pending_min_adapters)
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, stacked)
-        if cfg.lora_merge_steps > 0:  # before the KV budget is sized: its copy of the base weights is used memory
-            linear = [m for m in self.model.modules()
-                      if isinstance(m, (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA))]
-            self.merger = LoRAMerger(linear, self.lora_manager, cfg.lora_merge_steps)
+        if cfg.lora_merge_steps > 0:  # a merge's undo lives in the memory the KV budget leaves (lora_merge.py)
+            self.merger = LoRAMerger.for_model(self.model, self.lora_manager, cfg.lora_merge_steps,
+                                               agree=lambda ok: self.ctx.all_true(ok, self.device))
         self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, cfg.lora_load_processes,
                                   pin=self.device.type == "cuda")
 

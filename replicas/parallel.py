@@ -38,6 +38,12 @@ class ParallelContext:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_true(self, ok: bool, device: torch.device) -> bool:
+        """Whether ok holds on every TP rank (each passes its own; a collective, so every rank must call it)."""
+        if self.tp_size == 1:
+            return ok
+        return int(self.all_reduce(torch.tensor([0 if ok else 1], device=device)).item()) == 0
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's x along ``dim`` in rank order ([..., n] -> [..., n * tp_size])."""
         if self.tp_size == 1:

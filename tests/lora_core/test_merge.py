@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from lora_core.errors import LoRAConfigError
-from lora_core.merge import add_slot_delta, check_mergeable
+from lora_core.config import LoRAConfig
+from lora_core.merge import add_slot_delta, check_mergeable, merge_slot_delta, remove_slot_delta
+from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind, ShardKind
-from tests.lora_core.test_model_manager import SPECS, make_lora, manager
+from tests.lora_core.test_model_manager import MAX_RANK, SPECS, make_lora, manager
 
 LINEAR = [spec for spec in SPECS if spec.kind is LoRAKind.LINEAR]
 
@@ -79,3 +81,55 @@ def test_what_cannot_merge_is_refused_by_name():
     weight = torch.zeros(3, 3)
     with pytest.raises(LoRAConfigError, match="does not match"):
         add_slot_delta(weight, m.buffers(column.name), 0)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_merge_comes_back_out_bit_for_bit_with_a_few_values_kept(dtype):
+    """merge_slot_delta writes what add_slot_delta writes; remove_slot_delta gives the base weight back bit for
+    bit, over repeated switches between adapters, also after the adapter's slot was given to another; it keeps
+    the base values of a small share of the elements (the subtraction restores the rest), where a copy would
+    keep them all."""
+    m = LoRAModelManager(SPECS, LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype=dtype), "cpu", dtype)
+    for lora_id in (1, 2, 3):
+        m.add_adapter(make_lora(lora_id, 8, seed=lora_id))
+    gen = torch.Generator().manual_seed(11)
+    for spec in LINEAR:
+        buffers = m.buffers(spec.name)
+        base = (torch.randn(sum(spec.out_slices), spec.in_features, generator=gen) * 200).to(dtype)  # ~30 x |BA|
+        weight, kept = base.clone(), 0
+        for lora_id in (1, 2, 1, 3):
+            slot = m.activate_adapter(lora_id)
+            want = torch.empty_like(base)
+            add_slot_delta(want, buffers, slot, base=base)
+            undo = merge_slot_delta(weight, buffers, slot, max_fixups=weight.numel())
+            assert undo is not None and torch.equal(_bits(weight), _bits(want)) and not torch.equal(weight, base)
+            m.deactivate_adapter(lora_id)
+            m.activate_adapter(next(i for i in (1, 2, 3) if i != lora_id))  # its slot may now hold another
+            remove_slot_delta(weight, undo)
+            assert torch.equal(_bits(weight), _bits(base)), (spec.name, lora_id)
+            kept += sum(u.fix_index.numel() for u in undo)
+            for i in (1, 2, 3):
+                m.deactivate_adapter(i)
+        if dtype == torch.bfloat16:  # the subtraction alone would not do: values were kept, but few
+            assert 0 < kept < 0.1 * 4 * weight.numel(), (spec.name, kept)
+
+
+def test_a_merge_that_would_keep_too_many_values_leaves_the_weight_alone():
+    m = LoRAModelManager(SPECS, LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype=torch.bfloat16), "cpu",
+                         torch.bfloat16)
+    m.add_adapter(make_lora(1, 8))
+    slot = m.activate_adapter(1)
+    spec = LINEAR[0]
+    base = (torch.randn(sum(spec.out_slices), spec.in_features) * 0.05).bfloat16()
+    weight = base.clone()
+    full = merge_slot_delta(weight, m.buffers(spec.name), slot, max_fixups=weight.numel())
+    needed = sum(u.fix_index.numel() for u in full)
+    remove_slot_delta(weight, full)
+    assert needed > 0 and merge_slot_delta(weight, m.buffers(spec.name), slot, max_fixups=needed - 1) is None
+    assert torch.equal(_bits(weight), _bits(base))
+    with pytest.raises(LoRAConfigError, match="contiguous"):
+        merge_slot_delta(weight.t(), m.buffers(spec.name), slot, max_fixups=1)
