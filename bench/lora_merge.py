@@ -38,11 +38,17 @@ def _ms(fn) -> float:
     return start.elapsed_time(end)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny model: runs on CPU in seconds")
+    p.add_argument("--profile", action="store_true", help="then the top device ops of one merge and unmerge")
     a = p.parse_args()
     shape = TINY if a.tiny else LLAMA3_8B
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -58,6 +64,7 @@ def main() -> None:
     weights = [w for w, _ in merger._layers]
     elements = sum(w.numel() for w in weights)
     copy_gib = sum(w.numel() * w.element_size() for w in weights) / 2**30
+    before = [w.clone() for w in weights[::16]]  # a sample of the layers, to check the unmerges against
     merges, unmerges = [], []
     for _ in range(a.repeat):
         merges.append(_ms(lambda: merger.merge(lora.lora_int_id, slot)))
@@ -66,7 +73,15 @@ def main() -> None:
     print(f"rank {a.rank}: merge {sorted(merges)[len(merges) // 2]:.2f} ms, unmerge "
           f"{sorted(unmerges)[len(unmerges) // 2]:.2f} ms (median of {a.repeat}); the undo {undo_gib:.3f} GiB "
           f"({kept / elements:.2%} of the elements' base values kept) against {copy_gib:.2f} GiB for a copy "
-          f"of the linear weights", flush=True)
+          f"of the linear weights; the sampled layers restored bit for bit after {a.repeat} switches: "
+          f"{all(torch.equal(w.view(torch.uint8), b.view(torch.uint8)) for w, b in zip(weights[::16], before))}",
+          flush=True)
+    if a.profile:
+        with torch.profiler.profile() as prof:
+            merger.merge(lora.lora_int_id, slot)
+            merger.unmerge()
+            _sync()
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
     engine.shutdown()
 
 

@@ -64,20 +64,23 @@ def add_slot_delta(weight: torch.Tensor, buffers: LoRASlotBuffers, slot: int,
 
 
 @dataclass
-class SliceUndo:
-    """What takes one output slice's delta back out: its factors (private copies, so a slot reused meanwhile
-    changes nothing), and the base values of the elements the subtraction does not restore."""
+class MergeUndo:
+    """What takes a merged slot's delta back out of one weight: the delta's factors per output slice (private
+    copies, so a slot reused meanwhile changes nothing), and the base values of the elements the subtraction
+    does not restore."""
 
-    offset: int
-    width: int
-    b: torch.Tensor  # [width, R], the weight's dtype
-    a: torch.Tensor  # [R, in]
-    fix_index: torch.Tensor  # int32 [n], flat indices into the slice's rows
+    factors: list[tuple[int, torch.Tensor, torch.Tensor]]  # (first row, B [width, R], A [R, in]), weight's dtype
+    fix_index: torch.Tensor  # int32 [n], flat indices into the weight
     fix_value: torch.Tensor  # [n], the base weight there
 
     @property
+    def fixups(self) -> int:
+        return self.fix_index.numel()
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.b, self.a, self.fix_index, self.fix_value))
+        tensors = [t for _, b, a in self.factors for t in (b, a)] + [self.fix_index, self.fix_value]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -85,48 +88,42 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _subtract(rows: torch.Tensor, undo: SliceUndo) -> None:
-    rows.addmm_(undo.b, undo.a, alpha=-1)
+def _subtract(weight: torch.Tensor, factors: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+    for offset, b, a in factors:
+        weight.narrow(0, offset, b.shape[0]).addmm_(b, a, alpha=-1)
 
 
-def merge_slot_delta(weight: torch.Tensor, buffers: LoRASlotBuffers, slot: int,
-                     max_fixups: int) -> list[SliceUndo] | None:
+def merge_slot_delta(weight: torch.Tensor, buffers: LoRASlotBuffers, slot: int, max_fixups: int) -> MergeUndo | None:
     """add_slot_delta, keeping what remove_slot_delta needs to give the base weight back bit for bit; None,
     with the weight untouched, where more than max_fixups elements would need their base value kept.
-    Reads each fixup count back to the host (a sync per slice)."""
+    Reads the fixup count back to the host (one sync)."""
     if not weight.is_contiguous():
         raise LoRAConfigError(f"{buffers.spec.name}: a merge keeps flat indices into the weight: it must be contiguous")
     base = weight.clone()
     merged = torch.empty_like(weight)
     add_slot_delta(merged, buffers, slot, base=base)  # checks the buffers and shapes first
     a_all, b_all = buffers.lora_a[:, slot], buffers.lora_b[slot]
-    undos, offset = [], 0
+    factors, offset = [], 0
+    for index, width in enumerate(buffers.output_slices):
+        factors.append((offset, b_all.narrow(0, offset, width).to(weight.dtype, copy=True),
+                        a_all[index].to(weight.dtype, copy=True)))
+        offset += width
     try:
-        for index, width in enumerate(buffers.output_slices):
-            undo = SliceUndo(offset, width, b_all.narrow(0, offset, width).to(weight.dtype, copy=True),
-                             a_all[index].to(weight.dtype, copy=True), torch.empty(0), torch.empty(0))
-            rows, was = weight.narrow(0, offset, width), base.narrow(0, offset, width)
-            rows.copy_(merged.narrow(0, offset, width))
-            _subtract(rows, undo)  # what remove_slot_delta will compute, in the same memory
-            differ = (_bits(rows) != _bits(was)).view(-1)
-            max_fixups -= int(differ.sum())
-            if max_fixups < 0:
-                weight.copy_(base)
-                return None
-            bad = torch.nonzero(differ).squeeze(1)
-            undo.fix_index, undo.fix_value = bad.to(torch.int32), was.reshape(-1)[bad]
-            undos.append(undo)
-            offset += width
+        weight.copy_(merged)
+        _subtract(weight, factors)  # what remove_slot_delta will compute, in the same memory
+        bad = torch.nonzero((_bits(weight) != _bits(base)).view(-1)).squeeze(1)
+        if bad.numel() > max_fixups:
+            weight.copy_(base)
+            return None
+        undo = MergeUndo(factors, bad.to(torch.int32), base.view(-1)[bad])
     except BaseException:  # also where an allocation fails
         weight.copy_(base)
         raise
     weight.copy_(merged)
-    return undos
+    return undo
 
 
-def remove_slot_delta(weight: torch.Tensor, undos: list[SliceUndo]) -> None:
+def remove_slot_delta(weight: torch.Tensor, undo: MergeUndo) -> None:
     """The base weight back, bit for bit, from a weight that merge_slot_delta merged (and nothing since)."""
-    for undo in undos:
-        rows = weight.narrow(0, undo.offset, undo.width)
-        _subtract(rows, undo)
-        rows.view(-1)[undo.fix_index.long()] = undo.fix_value
+    _subtract(weight, undo.factors)
+    weight.view(-1).index_put_((undo.fix_index,), undo.fix_value)

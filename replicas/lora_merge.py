@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from lora_core.merge import SliceUndo, check_mergeable, merge_slot_delta, remove_slot_delta
+from lora_core.merge import MergeUndo, check_mergeable, merge_slot_delta, remove_slot_delta
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind
 from replicas.lora_layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
@@ -61,7 +61,7 @@ class LoRAMerger:
         for _, buffers in self._layers:
             check_mergeable(buffers)
         # Per layer, what takes the merged adapter's delta back out exactly (None: nothing merged).
-        self._undo: list[list[SliceUndo]] | None = None
+        self._undo: list[MergeUndo] | None = None
         self.max_fixups = int(MAX_UNDO_SHARE * sum(weight.numel() * weight.element_size() for weight, _ in self._layers)
                               / (4 + self._layers[0][0].element_size()))
         self._agree = agree
@@ -82,11 +82,11 @@ class LoRAMerger:
 
     def backup_bytes(self) -> int:
         """Device bytes the merged adapter's undo holds (0 while nothing is merged)."""
-        return sum(u.nbytes for undos in self._undo or [] for u in undos)
+        return sum(u.nbytes for u in self._undo or [])
 
     def fixups(self) -> int:
         """Elements whose base value the merged adapter's undo keeps."""
-        return sum(u.fix_index.numel() for undos in self._undo or [] for u in undos)
+        return sum(u.fixups for u in self._undo or [])
 
     def plan(self, token_ids: Sequence[int], sample_ids: Sequence[int]) -> int | None:
         """The adapter this step's rows should run merged with (None: the LoRA path). Call once per step.
@@ -137,7 +137,7 @@ class LoRAMerger:
                     ok = False
                     break
                 undos.append(undo)
-                left -= sum(u.fix_index.numel() for u in undo)
+                left -= undo.fixups
         except torch.cuda.OutOfMemoryError:  # the undo did not fit beside the KV cache: serve it unmerged
             ok = False
         if not self._agree(ok):

@@ -13,6 +13,7 @@ from lora_core.module_spec import LoRAKind, ShardKind
 from tests.lora_core.test_model_manager import MAX_RANK, SPECS, make_lora, manager
 
 LINEAR = [spec for spec in SPECS if spec.kind is LoRAKind.LINEAR]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the GPU: cuBLAS's subtraction, run twice alike
 
 
 def _full_delta(lora, spec) -> torch.Tensor:
@@ -93,13 +94,13 @@ def test_a_merge_comes_back_out_bit_for_bit_with_a_few_values_kept(dtype):
     bit, over repeated switches between adapters, also after the adapter's slot was given to another; it keeps
     the base values of a small share of the elements (the subtraction restores the rest), where a copy would
     keep them all."""
-    m = LoRAModelManager(SPECS, LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype=dtype), "cpu", dtype)
+    m = LoRAModelManager(SPECS, LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype=dtype), DEVICE, dtype)
     for lora_id in (1, 2, 3):
         m.add_adapter(make_lora(lora_id, 8, seed=lora_id))
     gen = torch.Generator().manual_seed(11)
     for spec in LINEAR:
         buffers = m.buffers(spec.name)
-        base = (torch.randn(sum(spec.out_slices), spec.in_features, generator=gen) * 200).to(dtype)  # ~30 x |BA|
+        base = (torch.randn(sum(spec.out_slices), spec.in_features, generator=gen) * 200).to(DEVICE, dtype)  # ~30|BA|
         weight, kept = base.clone(), 0
         for lora_id in (1, 2, 1, 3):
             slot = m.activate_adapter(lora_id)
@@ -111,7 +112,7 @@ def test_a_merge_comes_back_out_bit_for_bit_with_a_few_values_kept(dtype):
             m.activate_adapter(next(i for i in (1, 2, 3) if i != lora_id))  # its slot may now hold another
             remove_slot_delta(weight, undo)
             assert torch.equal(_bits(weight), _bits(base)), (spec.name, lora_id)
-            kept += sum(u.fix_index.numel() for u in undo)
+            kept += undo.fixups
             for i in (1, 2, 3):
                 m.deactivate_adapter(i)
         if dtype == torch.bfloat16:  # the subtraction alone would not do: values were kept, but few
@@ -119,15 +120,15 @@ def test_a_merge_comes_back_out_bit_for_bit_with_a_few_values_kept(dtype):
 
 
 def test_a_merge_that_would_keep_too_many_values_leaves_the_weight_alone():
-    m = LoRAModelManager(SPECS, LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype=torch.bfloat16), "cpu",
+    m = LoRAModelManager(SPECS, LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype=torch.bfloat16), DEVICE,
                          torch.bfloat16)
     m.add_adapter(make_lora(1, 8))
     slot = m.activate_adapter(1)
     spec = LINEAR[0]
-    base = (torch.randn(sum(spec.out_slices), spec.in_features) * 0.05).bfloat16()
+    base = (torch.randn(sum(spec.out_slices), spec.in_features) * 0.05).to(DEVICE, torch.bfloat16)
     weight = base.clone()
     full = merge_slot_delta(weight, m.buffers(spec.name), slot, max_fixups=weight.numel())
-    needed = sum(u.fix_index.numel() for u in full)
+    needed = full.fixups
     remove_slot_delta(weight, full)
     assert needed > 0 and merge_slot_delta(weight, m.buffers(spec.name), slot, max_fixups=needed - 1) is None
     assert torch.equal(_bits(weight), _bits(base))
