@@ -65,7 +65,7 @@ def parse_key(key: str) -> tuple[str, str, str, str | None] | None:
 
 
 def group_by_module(tensors: Mapping[str, torch.Tensor], path: str
-                     ) -> tuple[dict[str, ModuleTensors], list[InvalidAdapterError]]:
+                    ) -> tuple[dict[str, ModuleTensors], list[InvalidAdapterError]]:
     modules: dict[str, ModuleTensors] = {}
     problems: list[InvalidAdapterError] = []
     adapter_names: set[str | None] = set()
@@ -143,8 +143,8 @@ def value_problems(mt: ModuleTensors, path: str) -> list[InvalidAdapterError]:
 
 
 def check_module(name: str, mt: ModuleTensors, helper: PEFTHelper, path: str,
-                  expected: frozenset[str] | None, specs: dict[str, tuple[LoRAModuleSpec, int]] | None,
-                  max_rank: int | None) -> list[InvalidAdapterError]:
+                 expected: frozenset[str] | None, specs: dict[str, tuple[LoRAModuleSpec, int]] | None,
+                 max_rank: int | None) -> list[InvalidAdapterError]:
     """Every problem with one module's tensors: pairing, finiteness, rank, target, fit."""
     if mt.a is None or mt.b is None:
         key = next(x for x in (mt.a, mt.b, mt.bias) if x is not None)[0]
@@ -185,7 +185,7 @@ def check_module(name: str, mt: ModuleTensors, helper: PEFTHelper, path: str,
 
 
 def check_fit(name: str, mt: ModuleTensors, specs: dict[str, tuple[LoRAModuleSpec, int]],
-               path: str) -> list[InvalidAdapterError]:
+              path: str) -> list[InvalidAdapterError]:
     """Does the module exist in the served model, and do A and B fit its dimensions?"""
     (a_key, a), (b_key, b) = mt.a, mt.b
     if name not in specs:
@@ -208,7 +208,7 @@ def check_fit(name: str, mt: ModuleTensors, specs: dict[str, tuple[LoRAModuleSpe
 
 
 def config_problems(helper: PEFTHelper, expected: frozenset[str] | None,
-                     lora_config: LoRAConfig | None) -> list[InvalidAdapterError]:
+                    lora_config: LoRAConfig | None) -> list[InvalidAdapterError]:
     problems = helper.legal_problems(lora_config)
     if expected is not None and isinstance(helper.target_modules, list):
         unknown = [t for t in helper.target_modules if t.rsplit(".", 1)[-1] not in expected]

@@ -15,8 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from lora_core.adapter_checks import (
-    ModuleTensors, checked_modules, config_problems, spec_index, value_problems)
+from lora_core.adapter_checks import ModuleTensors, checked_modules, config_problems, spec_index, value_problems
 from lora_core.adapter_structure import AdapterStructures, CheckedStructure, ModuleKeys, read_header
 from lora_core.config import LoRAConfig
 from lora_core.errors import AdapterFileMissingError, CorruptAdapterError, UnsafeAdapterFormatError
@@ -73,9 +72,8 @@ def _read_known(path: Path, known: CheckedStructure, part: tuple[int, int] | Non
     """The tensors of a structure that passed the checks before (adapter_structure.py): only this part's."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {name: ModuleTensors(keys.embedding, (keys.a, f.get_tensor(keys.a)),
-                                         (keys.b, f.get_tensor(keys.b)),
-                                         (keys.bias, f.get_tensor(keys.bias)) if keys.bias else None)
+            return {name: ModuleTensors(keys.embedding, (keys.a, f.get_tensor(keys.a)), (keys.b, f.get_tensor(keys.b)),
+                                        (keys.bias, f.get_tensor(keys.bias)) if keys.bias else None)
                     for name, keys in known.modules.items() if part is None or part_of(name, part[1]) == part[0]}
     except Exception as exc:  # as _load_safetensors: a file that no longer reads is a bad file
         raise CorruptAdapterError(path, None, f"not a readable safetensors file ({exc})") from exc

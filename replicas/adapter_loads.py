@@ -41,8 +41,8 @@ class AdapterLoads:
         self.structures = AdapterStructures()  # structures checked once (lora_core/adapter_structure.py)
         self._loads: dict[int, tuple[LoRARequest, Future]] = {}
         self._threads: ThreadPoolExecutor | None = None
-        # With worker processes each load in flight holds a thread only to wait and copy the result
-        # into pinned memory: one thread per process, or the processes past the second sit idle.
+        # With worker processes each load in flight holds a thread only to wait for its parts (which queue in
+        # the pool in arrival order): one thread per process keeps the next loads' parts queued behind them.
         self._num_threads = self.threads_for(processes)
         self.process_loader = (ProcessAdapterLoader(processes, manager.preparer, self.expected, lora_config,
                                                     specs, adopt=manager.adopt_shared if pin else None,

@@ -77,7 +77,8 @@ class LoRAMerger:
     def for_model(cls, model: torch.nn.Module, manager: LoRAModelManager, merge_after: int,
                   agree: Callable[[bool], bool] = lambda ok: ok) -> "LoRAMerger":
         """A merger over every linear LoRA layer of the model."""
-        linear = [m for m in model.modules() if isinstance(m, (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA))]
+        linear = [m for m in model.modules()
+                  if isinstance(m, (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA))]
         return cls(linear, manager, merge_after, agree)
 
     def backup_bytes(self) -> int:
