@@ -143,6 +143,7 @@ class LoRAModel:
         lora_dir = Path(lora_dir)
         helper = peft_helper if peft_helper is not None else PEFTHelper.from_local_dir(lora_dir)
         expected = frozenset(expected_lora_modules)
+        module_specs = list(module_specs) if module_specs is not None else None  # read twice below
         # Config first: it is cheap and rejects most bad adapters before a large file is read.
         raise_problems(helper.config_path, config_problems(helper, expected, lora_config))
         weights_path = _find_weights(lora_dir)

@@ -10,9 +10,8 @@ costs. Opt-in (EngineArgs.lora_merge_steps), because:
 - Memory: unmerging must restore the base weights bit for bit (W' - B A in bf16 does not give W back
   everywhere, and the error would grow with every switch). A merge keeps the adapter's factors and the base
   value of each element the subtraction would not restore (lora_core/merge.py: found by running that very
-  subtraction at merge time), at most MAX_FIXUP_FRACTION of the weights' elements; an adapter that would
-  need more is not merged. (Until the twentieth session a full copy of the weights was kept: the model's size
-  again.)
+  subtraction at merge time), in at most MAX_UNDO_SHARE of a copy's bytes; an adapter that would need more
+  is not merged. (Until the twentieth session a full copy of the weights was kept: the model's size again.)
 - Numerics: a merged step rounds W + B A into the weights' dtype once, as
   PEFT's merge_and_unload does; the LoRA path adds x A B to x W. Greedy tokens
   can differ where two logits tie within that rounding.
@@ -25,7 +24,8 @@ Only linear layers merge: an adapter with embedding or lm_head weights runs on
 the LoRA path, and so does an engine with fully-sharded LoRA (a rank holds
 r / tp rows of A) or LoRA bias slots (lora_core/merge.py says why).
 Every TP rank takes the same decisions from the same StepInputs and merges its
-own shards from its own slots, so no collective is needed.
+own shards from its own slots; one all-reduce of a flag per merge makes the
+ranks agree when one of them cannot keep its undo (all merge, or none).
 """
 
 from __future__ import annotations
