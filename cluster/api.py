@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapterSourceError, OverloadedError,
-                            SourceUnavailableError)
+                            SourceUnavailableError, remote_cause)
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                               UnloadLoRAAdapterRequest)
 from cluster.server import GenerateRequest
@@ -40,6 +40,7 @@ ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
 
 
 def error_response(exc: BaseException) -> JSONResponse:
+    exc = remote_cause(exc)  # the message is the replica's error, not the Ray traceback around it
     for types, status, kind in ERROR_STATUS:
         if isinstance(exc, types):
             break

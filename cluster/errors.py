@@ -28,3 +28,13 @@ class OverloadedError(ClusterError, RuntimeError):
 
 class AuthenticationError(ClusterError, PermissionError):
     """Missing or wrong API key (HTTP 401)."""
+
+
+def remote_cause(exc: BaseException) -> BaseException:
+    """The exception a replica raised, out of the RayTaskError that carried it to the caller (that wrapper is an
+    instance of the cause's type too, but its str() is the whole remote traceback); others as they are."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), BaseException):
+        return exc.cause
+    return exc

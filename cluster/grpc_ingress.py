@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
+from cluster.errors import remote_cause
 from cluster.proto import lorafleet_pb2 as pb
 from cluster.server import GenerateRequest
 from replicas.errors import InvalidRequestError
@@ -40,15 +41,6 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presenc
                       "repetition_penalty")
 
 
-def _cause(exc: BaseException) -> BaseException:
-    """The user exception inside a RayTaskError (its str() would be a whole traceback)."""
-    from ray.exceptions import RayTaskError
-
-    if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), BaseException):
-        return exc.cause
-    return exc
-
-
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and details for an error, following the HTTP API's mapping."""
     from ray.exceptions import RayActorError
@@ -56,7 +48,7 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
     from cluster.api import ERROR_STATUS
 
-    exc = _cause(exc)
+    exc = remote_cause(exc)
     if isinstance(exc, (RayActorError, DeploymentUnavailableError)):  # a replica died or is not up yet
         return grpc.StatusCode.UNAVAILABLE, f"the engine is unavailable: {exc}"
     for types, status, _kind in ERROR_STATUS:

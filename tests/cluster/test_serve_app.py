@@ -101,10 +101,13 @@ def test_adapter_loaded_from_s3_at_run_time(serve_app, s3_client, peft_adapter_d
 
 def test_errors_and_python_handle(serve_app):
     client = _client(serve_app)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="lorafleet-demo", prompt="hi", max_tokens=2, temperature=-3)
+    # the replica's own message, not the Ray traceback that carried it to the ingress
+    assert missing.value.body["message"].startswith("model 'no-such-adapter' does not exist"), missing.value.body
+    assert "temperature" in bad.value.body["message"] and "Traceback" not in bad.value.body["message"]
     r = httpx.post(f"{serve_app}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc/../root"})
     assert r.status_code == 400
 
