@@ -40,6 +40,7 @@ from replicas.warm_up import warm_up
 # (bench/RESULTS.md, nineteenth session), so two hide under it; more would make the next step wait.
 PREFETCH_EVICTIONS = 2
 
+
 @dataclass
 class StepInput:
     """One step, as host data: sequences' new tokens laid end to end."""
