@@ -6,7 +6,8 @@ GPU) serves an S-LoRA-style workload: input and output lengths uniform in
 requests (or Poisson arrivals with --rate), driven through
 LLMEngine.add_request / step. The same requests run in every scenario:
   base               no LoRA (enable_lora off);
-  one-r{R}           one adapter for every request;
+  one-r{R}           one adapter for every request (runs merged: replicas/lora_merge.py);
+  one97-r{R}         the same adapter for 97% of requests, the base model for the rest;
   distinct-r{R}      every request its own adapter;
   uniform{N}-r{R}    uniform / Zipf(1.5) popularity over N = 100, 1,000 adapter
   zipf{N}-r{R}       directories (> max_loras GPU slots and > max_cpu_loras host entries);
@@ -67,7 +68,7 @@ from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, TINY, AdapterPools, Re
 from bench.triton_compiles import CompileLog  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 
-POPULARITIES = (("one", "one", 1), ("distinct", "distinct", 0), ("uniform100", "uniform", 100),
+POPULARITIES = (("one", "one", 1), ("one97", "one97", 1), ("distinct", "distinct", 0), ("uniform100", "uniform", 100),
                 ("zipf100", "zipf", 100), ("uniform1000", "uniform", 1000), ("zipf1000", "zipf", 1000))
 GPU = dict(num_requests=128, concurrency=32, input_len=(8, 512), output_len=(8, 512), hf_batch=32, hf_prompt=128,
            hf_new=64)
@@ -179,10 +180,12 @@ def engine_rows(a, names: list[str], table: dict, model_dir: Path, pools: Adapte
             pop, size, _, _ = table[name]
             size = size or len(reqs)
             loras = pools.pool(name.rsplit("-", 1)[0], rank, size) if rank else []
+            merges = engine.executor.call("lora_merge_state")[1]
             with CompileLog() as compiled:  # kernel variants the engine's warm-up left to serving
                 run = drive(engine, rec, assign_adapters(reqs, pop, size), loras, a.concurrency, a.rate, name)
             emit(dict(summarize(name, rank, size if rank else 0, run, a.concurrency),
-                      compiles=len(compiled.variants), compiled="; ".join(compiled.variants)))
+                      compiles=len(compiled.variants), compiled="; ".join(compiled.variants),
+                      merges=engine.executor.call("lora_merge_state")[1] - merges))
         engine.shutdown()
         del engine, rec
         gc.collect()
@@ -346,7 +349,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"time {row['scenario']:18} wall {row['wall_s']:6.2f}  decode {row['decode_s']:6.2f} "
                   f"({row['decode_steps_all']:5d}, {row['decode_rows']:5.1f} rows)  prompt {row['prompt_s']:6.2f} "
                   f"({row['prompt_steps']:4d})  outside {row['outside_s']:6.2f}  Triton compiles {row['compiles']}"
-                  f"  slot copies {row['slot_copies_in_step']} / {row['slot_copies_ahead']}  TTFT p50 parts (ms): "
+                  f"  slot copies {row['slot_copies_in_step']} / {row['slot_copies_ahead']}  merges {row['merges']}"
+                  "  TTFT p50 parts (ms): "
                   f"load {row['ttft_load_p50_ms']:.1f} queued {row['ttft_queue_p50_ms']:.1f} "
                   f"to first token {row['ttft_first_p50_ms']:.1f}")
     for row in rows:

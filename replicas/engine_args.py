@@ -47,10 +47,12 @@ class EngineArgs:
     # them to the others). On CPU the model runs synchronously, so it only delays outputs by a step
     # (tests force it on).
     async_scheduling: bool | None = None
-    # Opt-in: after this many consecutive steps in which every row uses one adapter, that adapter runs merged
-    # into the base weights until a step needs another (replicas/lora_merge.py). Keeps a copy of the base
-    # linear weights on the device (about the model's size again). 0: never merge.
-    lora_merge_steps: int = 0
+    # After this many consecutive steps in which every row uses one adapter (more after merges that did not
+    # pay for themselves), that adapter runs merged into the base weights until a step needs another
+    # (replicas/lora_merge.py): such steps cost what base steps cost. Keeps the adapter's factors and a few
+    # base values (~2 GiB for a rank-16 adapter on an 8B model) in the memory the KV cache leaves.
+    # None: 8 on CUDA where adapters can merge, else 0 (never merge).
+    lora_merge_steps: int | None = None
     # Steps of up to this many token rows compute the LoRA shrink in the base GEMMs, from A rows stacked
     # under the base weights (lora_core/stacked_a.py): one latency-bound kernel less per layer and
     # projection. None: 256 on CUDA, 0 (off) on CPU and with fully_sharded_loras under TP.
@@ -76,7 +78,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
-        if self.lora_merge_steps < 0:
+        if self.lora_merge_steps is not None and self.lora_merge_steps < 0:
             raise ValueError(f"lora_merge_steps must be >= 0 (0: never merge), got {self.lora_merge_steps}")
         if self.lora_stacked_max_tokens is not None and self.lora_stacked_max_tokens < 0:
             raise ValueError(f"lora_stacked_max_tokens must be >= 0 (0: off), got {self.lora_stacked_max_tokens}")

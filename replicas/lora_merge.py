@@ -5,7 +5,7 @@ decode step's LoRA time on latency, not bytes: two small kernels per
 projection, 128 pairs per step on an 8B model (~1.5 ms at batch 32 against a
 5.8 ms base step, bench/RESULTS.md). Merged (W' = W + B A, as dLoRA does), such
 steps run the base model's kernels and CUDA graphs and cost what a base step
-costs. Opt-in (EngineArgs.lora_merge_steps), because:
+costs. On by default on CUDA (EngineArgs.lora_merge_steps), within these limits:
 
 - Memory: unmerging must restore the base weights bit for bit (W' - B A in bf16 does not give W back
   everywhere, and the error would grow with every switch). A merge keeps the adapter's factors and the base
@@ -15,10 +15,11 @@ costs. Opt-in (EngineArgs.lora_merge_steps), because:
 - Numerics: a merged step rounds W + B A into the weights' dtype once, as
   PEFT's merge_and_unload does; the LoRA path adds x A B to x W. Greedy tokens
   can differ where two logits tie within that rounding.
-- Switching: a merge or an unmerge rewrites every linear weight (bench/lora_merge.py times both; a merge
-  reads its fixup counts back to the host), so an adapter merges only after
-  ``merge_after`` consecutive steps that use it alone, and unmerges at the
-  first step that does not.
+- Switching: a merge reads every linear weight twice and writes it once, an unmerge reads and writes it
+  (bench/lora_merge.py times both; a merge reads its fixup count back to the host), so an adapter merges
+  only after ``wait`` consecutive steps that use it alone, and unmerges at the first step that does not.
+  ``wait`` starts at merge_after and doubles after each merge undone before it paid for itself
+  (PAYBACK_STEPS): traffic that keeps coming back to mixed steps soon stops paying for merges.
 
 Only linear layers merge: an adapter with embedding or lm_head weights runs on
 the LoRA path, and so does an engine with fully-sharded LoRA (a rank holds
@@ -34,10 +35,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from lora_core.merge import MergeUndo, check_mergeable, merge_slot_delta, remove_slot_delta
+from lora_core.merge import MergeUndo, allocate_undo, apply_merge, check_mergeable, count_fixups, remove_merge, slot_factors
+from lora_core.config import LoRAConfig
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind
 from replicas.lora_layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
+from replicas.parallel import ParallelContext
 
 
 # Most device bytes a merge's undo may take, as a share of the merged weights' bytes (a copy of them: 1.0). Each
@@ -46,6 +49,30 @@ from replicas.lora_layers import ColumnParallelLinearWithLoRA, RowParallelLinear
 # 3.2% of the elements, random bf16 layers; bench/lora_merge.py prints it); an adapter that needs more runs
 # unmerged.
 MAX_UNDO_SHARE = 0.5
+# A merge undone within this many steps cost more than it saved (8B on an H200: a merge and an unmerge take
+# ~PAYBACK x the ~0.6 ms a LoRA decode step costs over a base one, bench/RESULTS.md), so the streak the next
+# merge waits for doubles (up to merge_after << MAX_WAIT_DOUBLINGS); one that lasted longer resets it.
+PAYBACK_STEPS = 64
+MAX_WAIT_DOUBLINGS = 6
+DEFAULT_MERGE_AFTER = 8
+
+
+def merge_after_steps(requested: int | None, lora_config: LoRAConfig, device: torch.device, tp_size: int) -> int:
+    """EngineArgs.lora_merge_steps resolved: None is DEFAULT_MERGE_AFTER on CUDA where adapters can merge and 0
+    (off) elsewhere: on CPU, and with fully-sharded LoRA under TP or LoRA bias slots (a merge there raises)."""
+    if requested is not None:
+        return requested
+    unmergeable = (lora_config.fully_sharded_loras and tp_size > 1) or lora_config.bias_enabled
+    return DEFAULT_MERGE_AFTER if device.type == "cuda" and not unmergeable else 0
+
+
+def merger_for(model: torch.nn.Module, manager: LoRAModelManager, requested: int | None, ctx: ParallelContext,
+               device: torch.device) -> LoRAMerger | None:
+    """The engine's merger (TP ranks agree through ctx), or None where merge_after_steps turns merging off."""
+    merge_after = merge_after_steps(requested, manager.config, device, ctx.tp_size)
+    if not merge_after:
+        return None
+    return LoRAMerger.for_model(model, manager, merge_after, agree=lambda ok: ctx.all_true(ok, device))
 
 
 class LoRAMerger:
@@ -71,15 +98,20 @@ class LoRAMerger:
         self._mergeable: dict[int, bool] = {}
         self.merged: int | None = None  # the adapter now in the weights
         self._candidate, self._streak = 0, 0
+        self.wait = merge_after  # the streak the next merge needs: merge_after, more after merges that did not pay
+        self.payback_steps = PAYBACK_STEPS
+        self._merged_steps = 0
         self.merges = 0  # merges done, for tests and benchmarks
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, manager: LoRAModelManager, merge_after: int,
                   agree: Callable[[bool], bool] = lambda ok: ok) -> "LoRAMerger":
-        """A merger over every linear LoRA layer of the model."""
+        """A merger over every linear LoRA layer of the model, its kernels compiled (warm_up)."""
         linear = [m for m in model.modules()
                   if isinstance(m, (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA))]
-        return cls(linear, manager, merge_after, agree)
+        merger = cls(linear, manager, merge_after, agree)
+        merger.warm_up()
+        return merger
 
     def backup_bytes(self) -> int:
         """Device bytes the merged adapter's undo holds (0 while nothing is merged)."""
@@ -103,10 +135,11 @@ class LoRAMerger:
             self._candidate, self._streak = 0, 0
             return None
         if lora_id == self.merged:
+            self._merged_steps += 1
             return lora_id
         self._streak = self._streak + 1 if lora_id == self._candidate else 1
         self._candidate = lora_id
-        return lora_id if self._streak >= self.merge_after else None
+        return lora_id if self._streak >= self.wait else None
 
     def mergeable(self, lora_id: int) -> bool:
         """Whether a registered adapter has weights for linear layers only (cached per id; forget() drops it).
@@ -128,29 +161,37 @@ class LoRAMerger:
 
     def merge(self, lora_id: int, slot: int) -> bool:
         """W = W_base + delta of the adapter in ``slot`` (its image must be written, in stream order). False,
-        with the weights as they were and the adapter no longer mergeable, where its undo would need more than
-        max_fixups base values on this rank or another."""
-        undos, left, ok = [], self.max_fixups, True
+        with the weights untouched and the adapter no longer mergeable, where its undo would need more than
+        max_fixups base values (or more memory than is free) on this rank or another. Syncs once: the count."""
+        ok, undos = True, []
         try:
-            for weight, buffers in self._layers:
-                undo = merge_slot_delta(weight, buffers, slot, left)
-                if undo is None:
-                    ok = False
-                    break
-                undos.append(undo)
-                left -= undo.fixups
+            factors = [slot_factors(weight, buffers, slot) for weight, buffers in self._layers]
+            counts = [count_fixups(weight, f) for (weight, _), f in zip(self._layers, factors)]
+            totals = torch.stack([c.total for c in counts]).tolist()
+            ok = sum(totals) <= self.max_fixups
+            if ok:  # allocated before any weight changes: no rank writes one unless every rank can finish
+                undos = [allocate_undo(w, f, n) for (w, _), f, n in zip(self._layers, factors, totals)]
         except torch.cuda.OutOfMemoryError:  # the undo did not fit beside the KV cache: serve it unmerged
-            ok = False
+            ok, undos = False, []
         if not self._agree(ok):
-            for (done, _), done_undo in zip(self._layers, undos):
-                remove_slot_delta(done, done_undo)
             self._mergeable[lora_id] = False
             return False
+        for (weight, _), count, undo in zip(self._layers, counts, undos):
+            apply_merge(weight, count, undo)
         self._undo, self.merged = undos, lora_id
         self.merges += 1
         return True
 
     def unmerge(self) -> None:
         for (weight, _), undo in zip(self._layers, self._undo or []):
-            remove_slot_delta(weight, undo)
-        self._undo, self.merged = None, None
+            remove_merge(weight, undo)
+        if self.merged is not None:
+            paid = self._merged_steps >= self.payback_steps
+            self.wait = self.merge_after if paid else min(2 * self.wait, self.merge_after << MAX_WAIT_DOUBLINGS)
+        self._undo, self.merged, self._merged_steps = None, None, 0
+
+    def warm_up(self) -> None:
+        """Compile the merge's kernels for every weight now, not at the first merge: count slot 0's fixups (reads
+        the weights only)."""
+        for weight, buffers in self._layers:
+            count_fixups(weight, slot_factors(weight, buffers, 0))  # launching compiles

@@ -29,7 +29,7 @@ from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_b
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.lora_layers import (add_lora, fused_max_adapters, lora_module_specs, pending_max_tokens,
                                   stack_lora_weights, stacked_max_tokens)
-from replicas.lora_merge import LoRAMerger
+from replicas.lora_merge import LoRAMerger, merger_for
 from replicas.model_config import ModelConfig
 from replicas.models import dummy_model, load_model
 from replicas.parallel import ParallelContext
@@ -80,7 +80,7 @@ class RunnerConfig:
     piecewise_graphs: bool = True
     lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
     lora_host_pool: bool = True  # host-tier adapters in blocks pinned at start-up (lora_core/pinned_pool.py)
-    lora_merge_steps: int = 0  # > 0: one adapter alone for this many steps runs merged (replicas/lora_merge.py)
+    lora_merge_steps: int | None = None  # one adapter alone this many steps runs merged (lora_merge.py); None: 8 on CUDA
     # steps of up to this many token rows shrink in the base GEMMs (lora_core/stacked_a.py); None: 256 on CUDA
     lora_stacked_max_tokens: int | None = None
     lora_fused_max_adapters: int | None = None  # one launch per LoRA site for small steps; None: by device
@@ -151,9 +151,8 @@ class ModelRunner:
                                                                           cfg.lora_config.max_lora_rank),
                                     pending_min_adapters=cfg.lora_pending_min_adapters)
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, stacked)
-        if cfg.lora_merge_steps > 0:  # a merge's undo lives in the memory the KV budget leaves (lora_merge.py)
-            self.merger = LoRAMerger.for_model(self.model, self.lora_manager, cfg.lora_merge_steps,
-                                               agree=lambda ok: self.ctx.all_true(ok, self.device))
+        # None where merging is off; a merge's undo lives in the memory the KV budget leaves (lora_merge.py)
+        self.merger = merger_for(self.model, self.lora_manager, cfg.lora_merge_steps, self.ctx, self.device)
         self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, cfg.lora_load_processes,
                                   pin=self.device.type == "cuda")
 

@@ -1,19 +1,44 @@
-"""lora_core.merge: a GPU slot's adapter folded into a linear layer's base weight, on every TP rank."""
+"""lora_core.merge: a GPU slot's adapter folded into a linear layer's base weight, on every TP rank, and taken
+back out bit for bit. On CPU both the plain-torch reference and the Triton kernel (TRITON_INTERPRET=1,
+tests/conftest.py) run; on a GPU the kernel is what the API runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lora_core import merge
 from lora_core.errors import LoRAConfigError
 from lora_core.config import LoRAConfig
-from lora_core.merge import add_slot_delta, check_mergeable, merge_slot_delta, remove_slot_delta
+from lora_core.merge import (MergeUndo, allocate_undo, apply_merge, check_mergeable, count_fixups, remove_merge,
+                             slot_factors)
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind, ShardKind
 from tests.lora_core.test_model_manager import MAX_RANK, SPECS, make_lora, manager
 
 LINEAR = [spec for spec in SPECS if spec.kind is LoRAKind.LINEAR]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the GPU: cuBLAS's subtraction, run twice alike
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    """Which implementation the API runs: on CPU the reference or the kernel in the interpreter; on a GPU
+    the kernel either way (the reference there is not what serving runs)."""
+    if request.param == "triton":
+        monkeypatch.setattr(merge, "_use_kernel", lambda weight: True)
+    return request.param
+
+
+def _merge(weight: torch.Tensor, buffers, slot: int, max_fixups: int | None = None) -> MergeUndo | None:
+    """What LoRAMerger does for one weight: count, refuse over max_fixups (weight untouched), else merge."""
+    factors = slot_factors(weight, buffers, slot)
+    count = count_fixups(weight, factors)
+    fixups = int(count.total)
+    if max_fixups is not None and fixups > max_fixups:
+        return None
+    undo = allocate_undo(weight, factors, fixups)
+    apply_merge(weight, count, undo)
+    return undo
 
 
 def _full_delta(lora, spec) -> torch.Tensor:
@@ -26,7 +51,7 @@ def _full_delta(lora, spec) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tp_rank,tp_size", [(0, 1), (0, 2), (1, 2)])
-def test_slot_delta_equals_the_adapters_delta_on_each_rank(tp_rank, tp_size):
+def test_slot_delta_equals_the_adapters_delta_on_each_rank(tp_rank, tp_size, backend):
     """Mixed ranks per sub-module (rank_pattern) in rank-16 slots, one slice untargeted: base + the slot's
     delta equals base + this rank's shard of B A * scaling (column layers: rows of each slice; row layers:
     columns of the input)."""
@@ -44,15 +69,14 @@ def test_slot_delta_equals_the_adapters_delta_on_each_rank(tp_rank, tp_size):
         else:
             want_delta = full.chunk(tp_size, 1)[tp_rank]
         base = torch.randn(want_delta.shape, generator=gen)
-        weight = torch.empty_like(base)
-        add_slot_delta(weight, buffers, slot, base=base)
+        weight = base.clone()
+        undo = _merge(weight, buffers, slot)
         torch.testing.assert_close(weight, base + want_delta, rtol=1e-5, atol=1e-5)
-        in_place = base.clone()
-        add_slot_delta(in_place, buffers, slot)
-        assert torch.equal(in_place, weight)
+        remove_merge(weight, undo)
+        assert torch.equal(weight, base)
 
 
-def test_a_low_rank_adapter_merges_alone_from_a_slot_a_wider_one_held():
+def test_a_low_rank_adapter_merges_alone_from_a_slot_a_wider_one_held(backend):
     """The merge reads all max_lora_rank rows of a slot: those past the adapter's rank must be zero,
     also where the slot's previous adapter had weights."""
     m = manager()
@@ -63,7 +87,7 @@ def test_a_low_rank_adapter_merges_alone_from_a_slot_a_wider_one_held():
     assert m.activate_adapter(2) == slot
     spec = LINEAR[0]
     base = torch.zeros(sum(spec.out_slices), spec.in_features)
-    add_slot_delta(base, m.buffers(spec.name), slot)
+    _merge(base, m.buffers(spec.name), slot)
     torch.testing.assert_close(base, _full_delta(make_lora(2, 4), spec), rtol=1e-5, atol=1e-5)
 
 
@@ -79,21 +103,27 @@ def test_what_cannot_merge_is_refused_by_name():
         check_mergeable(sharded.buffers(column.name))
     with pytest.raises(LoRAConfigError, match="bias"):
         check_mergeable(manager(bias=True).buffers(column.name))
-    weight = torch.zeros(3, 3)
     with pytest.raises(LoRAConfigError, match="does not match"):
-        add_slot_delta(weight, m.buffers(column.name), 0)
+        slot_factors(torch.zeros(3, 3), m.buffers(column.name), 0)
+    weight = torch.zeros(column.in_features, sum(column.out_slices))
+    with pytest.raises(LoRAConfigError, match="contiguous"):
+        slot_factors(weight.t(), m.buffers(column.name), 0)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_merge_comes_back_out_bit_for_bit_with_a_few_values_kept(dtype):
-    """merge_slot_delta writes what add_slot_delta writes; remove_slot_delta gives the base weight back bit for
-    bit, over repeated switches between adapters, also after the adapter's slot was given to another; it keeps
-    the base values of a small share of the elements (the subtraction restores the rest), where a copy would
-    keep them all."""
+DTYPES = [torch.bfloat16, torch.float32] if DEVICE == "cuda" else [torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_merge_comes_back_out_bit_for_bit_with_a_few_values_kept(dtype, backend):
+    """The merged weight is base + B A rounded once; the unmerge gives the base weight back bit for bit,
+    over repeated switches between adapters, also after the adapter's slot was given to another; the undo
+    keeps the base values (and flat indices) of exactly the elements count_fixups counted: a small share of
+    them in half precision, where a copy would keep them all. (On CPU half precision is float16: the
+    interpreter's bfloat16 rounds by truncation.)"""
     m = LoRAModelManager(SPECS, LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype=dtype), DEVICE, dtype)
     for lora_id in (1, 2, 3):
         m.add_adapter(make_lora(lora_id, 8, seed=lora_id))
@@ -104,33 +134,36 @@ def test_a_merge_comes_back_out_bit_for_bit_with_a_few_values_kept(dtype):
         weight, kept = base.clone(), 0
         for lora_id in (1, 2, 1, 3):
             slot = m.activate_adapter(lora_id)
-            want = torch.empty_like(base)
-            add_slot_delta(want, buffers, slot, base=base)
-            undo = merge_slot_delta(weight, buffers, slot, max_fixups=weight.numel())
-            assert undo is not None and torch.equal(_bits(weight), _bits(want)) and not torch.equal(weight, base)
+            delta = torch.cat([b.float() @ a.float() for _, b, a in slot_factors(base, buffers, slot)])
+            undo = _merge(weight, buffers, slot)
+            eps = torch.finfo(dtype).eps  # rounded once, from a delta summed in another order: an ulp or so
+            torch.testing.assert_close(weight.float(), (base.float() + delta).to(dtype).float(),
+                                       rtol=2 * eps, atol=eps * float(base.abs().max()))
+            assert not torch.equal(weight, base)
+            index = undo.fix_index.long()
+            assert index.unique().numel() == index.numel()
+            assert torch.equal(_bits(undo.fix_value), _bits(base.view(-1)[index]))
             m.deactivate_adapter(lora_id)
             m.activate_adapter(next(i for i in (1, 2, 3) if i != lora_id))  # its slot may now hold another
-            remove_slot_delta(weight, undo)
+            remove_merge(weight, undo)
             assert torch.equal(_bits(weight), _bits(base)), (spec.name, lora_id)
             kept += undo.fixups
             for i in (1, 2, 3):
                 m.deactivate_adapter(i)
-        if dtype == torch.bfloat16:  # the subtraction alone would not do: values were kept, but few
+        if dtype != torch.float32:  # the subtraction alone would not do: values were kept, but few
             assert 0 < kept < 0.1 * 4 * weight.numel(), (spec.name, kept)
 
 
-def test_a_merge_that_would_keep_too_many_values_leaves_the_weight_alone():
-    m = LoRAModelManager(SPECS, LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype=torch.bfloat16), DEVICE,
-                         torch.bfloat16)
+def test_counting_reads_the_weight_only_and_a_merge_over_the_cap_leaves_it_alone(backend):
+    m = LoRAModelManager(SPECS, LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype=torch.float16), DEVICE,
+                         torch.float16)
     m.add_adapter(make_lora(1, 8))
     slot = m.activate_adapter(1)
     spec = LINEAR[0]
-    base = (torch.randn(sum(spec.out_slices), spec.in_features) * 0.05).to(DEVICE, torch.bfloat16)
+    base = (torch.randn(sum(spec.out_slices), spec.in_features) * 0.05).to(DEVICE, torch.float16)
     weight = base.clone()
-    full = merge_slot_delta(weight, m.buffers(spec.name), slot, max_fixups=weight.numel())
-    needed = full.fixups
-    remove_slot_delta(weight, full)
-    assert needed > 0 and merge_slot_delta(weight, m.buffers(spec.name), slot, max_fixups=needed - 1) is None
+    needed = int(count_fixups(weight, slot_factors(weight, m.buffers(spec.name), slot)).total)
+    assert needed > 0 and torch.equal(_bits(weight), _bits(base))
+    assert _merge(weight, m.buffers(spec.name), slot, max_fixups=needed - 1) is None
     assert torch.equal(_bits(weight), _bits(base))
-    with pytest.raises(LoRAConfigError, match="contiguous"):
-        merge_slot_delta(weight.t(), m.buffers(spec.name), slot, max_fixups=1)
+    assert _merge(weight, m.buffers(spec.name), slot, max_fixups=needed).fixups == needed

@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_ROWS = ["base"] + [f"{p}-r{r}" for r in (16, 64)
-                          for p in ("one", "distinct", "uniform100", "zipf100", "uniform1000", "zipf1000")]
+                          for p in ("one", "one97", "distinct", "uniform100", "zipf100", "uniform1000", "zipf1000")]
 HF_ROWS = ["hf-peft-base", "hf-peft-distinct", "ours-distinct"]
 NUMERIC = 16  # columns after the scenario name in an engine row
 
@@ -93,6 +93,8 @@ def test_csv_holds_every_row(tiny_run):
             assert math.isclose(float(rows[name]["x_decode_ceiling"]), base_ms / (base_ms + bound)), name
         assert int(rows[name]["tokens"]) > 0
     assert int(rows["one-r16"]["loads"]) == 1  # registered once, reused by every request
+    merges = {name: int(rows[name]["merges"]) for name in ENGINE_ROWS}  # merging is on by default on CUDA only
+    assert all(n == 0 for n in merges.values()) if not torch.cuda.is_available() else merges["one-r16"] >= 1
     # TTFT's parts: a base request joins the queue as it is added; a distinct one after its adapter's load
     parts = {name: [float(rows[name][f"ttft_{p}_p50_ms"]) for p in ("load", "queue", "first")] for name in rows
              if name in ENGINE_ROWS}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lora_core.config import LoRAConfig
 from lora_core.errors import LoRAConfigError
 from lora_core.request import LoRARequest
 from replicas import lora_merge
@@ -62,11 +63,12 @@ def reference(demo):
 
 def _merging_llm(demo, **kwargs) -> LLM:
     """An engine that merges after two steps, whatever the share of base values the demo's large adapters
-    need kept (up to a third of the elements: the undo may take a copy's bytes here), and its weights as
-    loaded, to compare with after each unmerge."""
+    need kept (up to a third of the elements: the undo may take a copy's bytes here) and however short its
+    merges last (no wait grows), and its weights as loaded, to compare with after each unmerge."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lora_merge, "MAX_UNDO_SHARE", 1.0)
         llm = _llm(demo, lora_merge_steps=2, **kwargs)
+    llm.engine.executor.runner.merger.payback_steps = 0
     llm.base_weights = _weights(llm)
     return llm
 
@@ -122,8 +124,8 @@ def test_removed_adapter_is_unmerged_and_its_id_can_come_back(demo, loras, tmp_p
 
 
 def test_an_adapter_whose_undo_would_keep_too_many_values_stays_on_the_lora_path(demo, loras, reference):
-    """A merge that would keep more base values than max_fixups is undone layer by layer (the weights exactly
-    as loaded) and that adapter is served on the LoRA path from then on; so is one that another TP rank could
+    """A merge that would keep more base values than max_fixups writes no weight (they stay exactly as
+    loaded) and that adapter is served on the LoRA path from then on; so is one that another TP rank could
     not merge."""
     llm = _merging_llm(demo)
     merger = llm.engine.executor.runner.merger
@@ -199,3 +201,49 @@ def test_settings_that_need_whole_a_rows_on_every_rank_are_refused(demo):
         assert _runs(llm.generate(PROMPTS[:1], _params(), None))[0][0]
     finally:
         llm.shutdown()
+
+
+def test_merges_that_do_not_pay_for_themselves_make_the_next_one_wait_longer(demo, loras, reference):
+    """A merge undone within payback_steps doubles the streak the next one waits for (traffic that keeps
+    breaking one adapter's runs soon stops paying for merges); one that lasted resets it to merge_after."""
+    llm = _merging_llm(demo)
+    merger = llm.engine.executor.runner.merger
+    merger.payback_steps = 30
+    lora = loras["demo-sql"]
+
+    def run(steps: int) -> None:  # one request of the adapter alone (a prompt step, then decode steps), then base
+        params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+        llm.generate(PROMPTS[:1], params, [lora])
+        llm.generate(PROMPTS[:1], _params(), None)
+
+    waits, merges = [], []
+    for _ in range(4):
+        run(10)
+        waits.append(merger.wait)
+        merges.append(_state(llm)[1])
+    assert waits == [4, 8, 16, 16] and merges == [1, 2, 3, 3]  # the 4th run's 10 steps never reached 16
+    run(50)  # merged after 16 steps, for 34: paid
+    assert merger.wait == 2 and _state(llm)[1] == 4 and _weights_are_base(llm)
+    merger.wait = 2 << lora_merge.MAX_WAIT_DOUBLINGS
+    run(170)  # merged after 128 steps, for 42: paid
+    assert merger.wait == 2 and _state(llm)[1] == 5
+    merger.payback_steps = 10**6
+    merger.wait = 2 << lora_merge.MAX_WAIT_DOUBLINGS
+    run(140)
+    assert merger.wait == 2 << lora_merge.MAX_WAIT_DOUBLINGS  # capped
+    want = _runs(reference.generate(PROMPTS[:2], _params(), [lora] * 2))
+    _assert_same(_runs(llm.generate(PROMPTS[:2], _params(), [lora] * 2)), want, 1e-4)
+
+
+def test_merging_is_on_by_default_where_adapters_can_merge():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    plain = LoRAConfig(max_loras=2, max_lora_rank=16)
+    assert lora_merge.merge_after_steps(None, plain, cuda, 1) == lora_merge.DEFAULT_MERGE_AFTER
+    assert lora_merge.merge_after_steps(None, plain, cpu, 1) == 0
+    sharded = LoRAConfig(max_loras=2, max_lora_rank=16, fully_sharded_loras=True)
+    assert lora_merge.merge_after_steps(None, sharded, cuda, 2) == 0
+    assert lora_merge.merge_after_steps(None, sharded, cuda, 1) == lora_merge.DEFAULT_MERGE_AFTER
+    assert lora_merge.merge_after_steps(None, LoRAConfig(max_loras=2, max_lora_rank=16, bias_enabled=True),
+                                        cuda, 1) == 0
+    assert lora_merge.merge_after_steps(3, plain, cpu, 1) == 3
+    assert lora_merge.merge_after_steps(0, plain, cuda, 1) == 0
