@@ -35,7 +35,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from lora_core.merge import MergeUndo, allocate_undo, apply_merge, check_mergeable, count_fixups, remove_merge, slot_factors
+from lora_core.merge import (MergeUndo, allocate_undo, apply_merge, check_mergeable, count_fixups, remove_merge,
+                             slot_factors)
 from lora_core.config import LoRAConfig
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind

@@ -80,7 +80,7 @@ class RunnerConfig:
     piecewise_graphs: bool = True
     lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
     lora_host_pool: bool = True  # host-tier adapters in blocks pinned at start-up (lora_core/pinned_pool.py)
-    lora_merge_steps: int | None = None  # one adapter alone this many steps runs merged (lora_merge.py); None: 8 on CUDA
+    lora_merge_steps: int | None = None  # one adapter alone this long runs merged (lora_merge.py); None: 8 on CUDA
     # steps of up to this many token rows shrink in the base GEMMs (lora_core/stacked_a.py); None: 256 on CUDA
     lora_stacked_max_tokens: int | None = None
     lora_fused_max_adapters: int | None = None  # one launch per LoRA site for small steps; None: by device
