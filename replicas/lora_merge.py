@@ -51,9 +51,10 @@ from replicas.parallel import ParallelContext
 # unmerged.
 MAX_UNDO_SHARE = 0.5
 # A merge undone within this many steps cost more than it saved (8B on an H200: a merge and an unmerge take
-# ~PAYBACK x the ~0.6 ms a LoRA decode step costs over a base one, bench/RESULTS.md), so the streak the next
-# merge waits for doubles (up to merge_after << MAX_WAIT_DOUBLINGS); one that lasted longer resets it.
-PAYBACK_STEPS = 64
+# ~75 ms, ~120 times the ~0.6 ms a LoRA decode step costs over a merged one; bench/RESULTS.md, 21st session),
+# so the streak the next merge waits for doubles (up to merge_after << MAX_WAIT_DOUBLINGS); one that lasted
+# longer resets it.
+PAYBACK_STEPS = 128
 MAX_WAIT_DOUBLINGS = 6
 DEFAULT_MERGE_AFTER = 8
 

@@ -20,10 +20,10 @@ LINEAR = [spec for spec in SPECS if spec.kind is LoRAKind.LINEAR]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(params=["torch", "triton"])
+@pytest.fixture(params=["torch", "triton"] if DEVICE == "cpu" else ["as-served"])
 def backend(request, monkeypatch):
-    """Which implementation the API runs: on CPU the reference or the kernel in the interpreter; on a GPU
-    the kernel either way (the reference there is not what serving runs)."""
+    """Which implementation the API runs: on CPU the reference, or the kernel in the interpreter; on a GPU
+    what serving runs (the kernel for CUDA tensors, the reference for CPU ones)."""
     if request.param == "triton":
         monkeypatch.setattr(merge, "_use_kernel", lambda weight: True)
     return request.param
