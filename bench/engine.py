@@ -6,8 +6,10 @@ GPU) serves an S-LoRA-style workload: input and output lengths uniform in
 requests (or Poisson arrivals with --rate), driven through
 LLMEngine.add_request / step. The same requests run in every scenario:
   base               no LoRA (enable_lora off);
+  none-r{R}          base's requests on the engine with LoRA on (what enable_lora costs them);
   one-r{R}           one adapter for every request (runs merged: replicas/lora_merge.py);
-  one97-r{R}         the same adapter for 97% of requests, the base model for the rest;
+  one97-r{R}         the same adapter for 97% (90%) of requests, the base model for the rest;
+  one90-r{R}
   distinct-r{R}      every request its own adapter;
   uniform{N}-r{R}    uniform / Zipf(1.5) popularity over N = 100, 1,000 adapter
   zipf{N}-r{R}       directories (> max_loras GPU slots and > max_cpu_loras host entries);
@@ -68,7 +70,7 @@ from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, TINY, AdapterPools, Re
 from bench.triton_compiles import CompileLog  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 
-POPULARITIES = (("one", "one", 1), ("one97", "one97", 1), ("distinct", "distinct", 0), ("uniform100", "uniform", 100),
+POPULARITIES = (("none", "none", 1), ("one", "one", 1), ("one97", "one97", 1), ("one90", "one90", 1), ("distinct", "distinct", 0), ("uniform100", "uniform", 100),
                 ("zipf100", "zipf", 100), ("uniform1000", "uniform", 1000), ("zipf1000", "zipf", 1000))
 GPU = dict(num_requests=128, concurrency=32, input_len=(8, 512), output_len=(8, 512), hf_batch=32, hf_prompt=128,
            hf_new=64)
@@ -124,7 +126,7 @@ def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: i
         extra = row["decode_ms"] - base["decode_ms"]
     bound = 1e3 * read / tp / bw  # each of tp ranks reads about 1/tp of the bytes at its own bandwidth
     physics = dict(x_base=row["tok_s"] / base["tok_s"], x_decode=base["decode_ms"] / row["decode_ms"], extra_ms=extra,
-                   bound_ms=bound, x_bound=extra / bound)
+                   bound_ms=bound, x_bound=extra / bound if bound else float("nan"))  # none-r{R}: no adapter bytes
     if row["rank"]:
         physics["x_decode_ceiling"] = base["decode_ms"] / (base["decode_ms"] + bound)
     return dict(row, **physics)
@@ -183,7 +185,7 @@ def engine_rows(a, names: list[str], table: dict, model_dir: Path, pools: Adapte
             merges = engine.executor.call("lora_merge_state")[1]
             with CompileLog() as compiled:  # kernel variants the engine's warm-up left to serving
                 run = drive(engine, rec, assign_adapters(reqs, pop, size), loras, a.concurrency, a.rate, name)
-            emit(dict(summarize(name, rank, size if rank else 0, run, a.concurrency),
+            emit(dict(summarize(name, rank, size if rank and pop != "none" else 0, run, a.concurrency),
                       compiles=len(compiled.variants), compiled="; ".join(compiled.variants),
                       merges=engine.executor.call("lora_merge_state")[1] - merges))
         engine.shutdown()

@@ -162,15 +162,16 @@ def make_requests(n: int, in_range: tuple[int, int], out_range: tuple[int, int],
 
 
 def assign_adapters(reqs: list[Request], popularity: str, pool_size: int, seed: int = 1) -> list[Request]:
-    """none | one | one97 (one adapter for 97% of requests, the base model for the rest) | distinct (request i ->
+    """none | one | one<P> (one adapter for P% of requests, the base model for the rest) | distinct (request i ->
     adapter i) | uniform | zipf (P(k) ~ (k+1)^-1.5) over pool_size."""
     rng = random.Random(seed)
     weights = [(k + 1) ** -1.5 for k in range(pool_size)] if popularity == "zipf" else None
     out = []
+    kind, share = ("one", int(popularity[3:] or 100) / 100) if popularity.startswith("one") else (popularity, 1.0)
     for i, r in enumerate(reqs):
-        adapter = {"none": None, "one": 0, "one97": 0 if rng.random() < 0.97 else None, "distinct": i,
+        adapter = {"none": None, "one": 0 if share == 1.0 or rng.random() < share else None, "distinct": i,
                    "uniform": rng.randrange(pool_size) if popularity == "uniform" else None,
-                   "zipf": rng.choices(range(pool_size), weights)[0] if weights else None}[popularity]
+                   "zipf": rng.choices(range(pool_size), weights)[0] if weights else None}[kind]
         out.append(Request(r.prompt_ids, r.max_tokens, r.arrival, adapter))
     return out
 

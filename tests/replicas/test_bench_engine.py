@@ -19,9 +19,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_ROWS = ["base"] + [f"{p}-r{r}" for r in (16, 64)
-                          for p in ("one", "one97", "distinct", "uniform100", "zipf100", "uniform1000", "zipf1000")]
+                          for p in ("none", "one", "one97", "one90", "distinct", "uniform100", "zipf100", "uniform1000", "zipf1000")]
 HF_ROWS = ["hf-peft-base", "hf-peft-distinct", "ours-distinct"]
 NUMERIC = 16  # columns after the scenario name in an engine row
+X_BOUND = 14  # of those, x bnd
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,9 @@ def test_every_scenario_row_has_finite_numbers(tiny_run):
     assert rows["base"][-1] == "-"  # ceil: LoRA rows only
     for name in ENGINE_ROWS:
         values = [float(v) for v in (rows[name][:-1] if name == "base" else rows[name])]
+        if name.startswith("none-"):  # base's requests on the LoRA engine: no adapter bytes, no x bound
+            assert math.isnan(values[X_BOUND]) and float(rows[name][1]) == 0, rows[name]  # and none registered
+            values[X_BOUND] = 0.0
         assert len(values) == NUMERIC - (name == "base") and all(math.isfinite(v) for v in values), (name, rows[name])
         assert values[2] > 0, name  # tok/s
     assert float(rows["base"][7]) == 1.0 and float(rows["base"][9]) == 1.0  # x base, x dec
@@ -83,7 +87,7 @@ def test_csv_holds_every_row(tiny_run):
     assert set(rows) == set(ENGINE_ROWS + HF_ROWS)
     for name in ENGINE_ROWS:
         for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "x_base", "decode_ms",
-                    "x_decode", "extra_ms", "bound_ms", "x_bound"):
+                    "x_decode", "extra_ms", "bound_ms") + (() if name.startswith("none-") else ("x_bound",)):
             assert math.isfinite(float(rows[name][key])), (name, key, rows[name][key])
         # x dec: base's decode step over the row's (every row here runs on its rank's default engine)
         assert math.isclose(float(rows[name]["x_decode"]),
