@@ -35,9 +35,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from lora_core.config import LoRAConfig
 from lora_core.merge import (MergeUndo, allocate_undo, apply_merge, check_mergeable, count_fixups, remove_merge,
                              slot_factors)
-from lora_core.config import LoRAConfig
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAKind
 from replicas.lora_layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
@@ -56,6 +56,8 @@ MAX_UNDO_SHARE = 0.5
 # longer resets it.
 PAYBACK_STEPS = 128
 MAX_WAIT_DOUBLINGS = 6
+# Steps of one adapter alone before the first merge: enough that a short burst of its requests does not pay for
+# one, few against the hundreds of steps a replica the router keeps feeding one adapter runs.
 DEFAULT_MERGE_AFTER = 8
 
 
@@ -193,7 +195,8 @@ class LoRAMerger:
         self._undo, self.merged, self._merged_steps = None, None, 0
 
     def warm_up(self) -> None:
-        """Compile the merge's kernels for every weight now, not at the first merge: count slot 0's fixups (reads
-        the weights only)."""
+        """On GPU, compile the merge's kernels for every weight now, not at the first merge: count slot 0's
+        fixups (reads the weights only)."""
         for weight, buffers in self._layers:
-            count_fixups(weight, slot_factors(weight, buffers, 0))  # launching compiles
+            if weight.is_cuda:  # the CPU reference compiles nothing
+                count_fixups(weight, slot_factors(weight, buffers, 0))  # launching compiles
