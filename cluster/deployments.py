@@ -63,8 +63,11 @@ class LoRAReplica:
         self._load_seconds = metrics.Histogram("lorafleet_adapter_load_seconds",
                                                "Seconds to bring an adapter from the cluster tier into the engine",
                                                boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30])
+        self._merges = metrics.Counter("lorafleet_lora_merges",
+                                       "Adapters merged into the base weights (replicas/lora_merge.py)")
+        self._merged = metrics.Gauge("lorafleet_lora_merged", "1 while an adapter runs merged into the base weights")
         self._reported: dict[str, int] = {}
-        self._reported_loads = 0
+        self._reported_loads = self._reported_merges = 0
 
     async def _start(self) -> None:
         async with self._started:
@@ -87,6 +90,11 @@ class LoRAReplica:
         for seconds in self.server.load_latencies[self._reported_loads:]:
             self._load_seconds.observe(seconds)
         self._reported_loads = len(self.server.load_latencies)
+        merged, merges = self.server.merge_state()
+        if merges > self._reported_merges:
+            self._merges.inc(merges - self._reported_merges)
+            self._reported_merges = merges
+        self._merged.set(int(merged is not None))
 
     async def models(self) -> list[dict]:
         await self._start()

@@ -188,16 +188,26 @@ class LoRAServer:
             self._inflight -= 1
 
     def routing_stats(self) -> dict[str, Any]:
-        """What the router reads: adapters resident on GPU / in host memory, free slots, queue depth."""
-        engine = self.engine.engine
-        manager = getattr(engine.executor.runner, "lora_manager", None)
+        """What the router reads: adapters resident on GPU / in host memory, free slots, queue depth; and the
+        adapter merged into the base weights now (None) with the merges so far (replicas/lora_merge.py)."""
+        manager = getattr(self.engine.engine.executor.runner, "lora_manager", None)  # rank 0's, read, not called
         by_id = {r.lora_int_id: name for name, r in self._loaded.items()}
         gpu = [by_id[i] for i in list(manager.lora_index_to_id) if i in by_id] if manager else []
         host = [by_id[i] for i in list(manager.list_adapters()) if i in by_id] if manager else []
         max_loras = len(manager.lora_index_to_id) if manager else 0
+        merged, merges = self.merge_state()
         return dict(gpu_adapters=gpu, host_adapters=host, free_slots=max_loras - len(gpu),
                     queue_len=self._inflight, max_loras=max_loras,
-                    adapter_events=dict(self.adapter_events))  # where adapter requests found their adapter
+                    adapter_events=dict(self.adapter_events),  # where adapter requests found their adapter
+                    merged_adapter=merged, lora_merges=merges)
+
+    def merge_state(self) -> tuple[str | None, int]:
+        """The adapter running merged into the base weights now (None) and the merges so far."""
+        merger = getattr(self.engine.engine.executor.runner, "merger", None)
+        if merger is None:
+            return None, 0
+        merged = next((name for name, r in self._loaded.items() if r.lora_int_id == merger.merged), None)
+        return merged, merger.merges
 
     @property
     def default_max_tokens(self) -> int:

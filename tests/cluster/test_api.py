@@ -247,3 +247,27 @@ def test_adapter_name_repointed_to_new_weights(stack):
 
     got, want = run(stack, go)
     assert got.choices[0].text == want.choices[0].text
+
+
+def test_routing_stats_name_the_adapter_running_merged():
+    """A replica whose steps all use one adapter runs it merged (on CUDA by default; here asked for): its
+    routing stats say which, and how many merges so far; the next base request unmerges it."""
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+
+    settings = SourceSettings(allowed_local_roots=[str(ensure_demo_checkpoint().adapters["demo-sql"].parent)])
+    server = LoRAServer(ServerConfig(model="demo", engine=ENGINE | {"lora_merge_steps": 2}, default_max_tokens=8),
+                        LocalCatalog(settings))
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(server.start())
+    try:
+        stack = (loop, build_api(server, api_keys=None))
+        assert server.routing_stats()["merged_adapter"] is None and server.routing_stats()["lora_merges"] == 0
+        run(stack, lambda c: c.completions.create(model="demo-sql", prompt="hi", max_tokens=6))
+        stats = server.routing_stats()
+        assert (stats["merged_adapter"], stats["lora_merges"]) == ("demo-sql", 1)
+        assert server.merge_state() == ("demo-sql", 1)
+        run(stack, lambda c: c.completions.create(model="lorafleet-demo", prompt="hi", max_tokens=2))
+        assert (server.routing_stats()["merged_adapter"], server.merge_state()[1]) == (None, 1)
+    finally:
+        loop.run_until_complete(server.shutdown())
+        loop.close()
