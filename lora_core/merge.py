@@ -57,8 +57,9 @@ def slot_factors(weight: torch.Tensor, buffers: LoRASlotBuffers, slot: int) -> l
     if not weight.is_contiguous():
         raise LoRAConfigError(f"{buffers.spec.name}: a merge keeps flat indices into the weight: it must be contiguous")
     factors, offset = [], 0
-    for index, width in enumerate(buffers.output_slices):
-        factors.append((offset, b.narrow(0, offset, width).clone(), a[index].clone()))
+    for index, width in enumerate(buffers.output_slices):  # contiguous: the kernel reads rows of R and of in
+        factors.append((offset, b.narrow(0, offset, width).clone(memory_format=torch.contiguous_format),
+                        a[index].clone(memory_format=torch.contiguous_format)))
         offset += width
     return factors
 
