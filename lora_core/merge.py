@@ -121,7 +121,7 @@ def apply_merge(weight: torch.Tensor, count: FixupCount, undo: MergeUndo) -> Non
         merge_kernel.apply_merge(weight, count, undo)
         return
     flat, found = weight.view(-1), 0
-    for (offset, merged, differs) in _reference_passes(weight, undo.factors):
+    for offset, merged, differs in _reference_passes(weight, undo.factors):
         index = torch.nonzero(differs.view(-1)).squeeze(1) + offset * weight.shape[1]
         undo.fix_index[found:found + index.numel()] = index.to(torch.int32)
         undo.fix_value[found:found + index.numel()] = flat[index]
