@@ -50,7 +50,7 @@ class EngineArgs:
     # After this many consecutive steps in which every row uses one adapter (more after merges that did not
     # pay for themselves), that adapter runs merged into the base weights until a step needs another
     # (replicas/lora_merge.py): such steps cost what base steps cost. Keeps the adapter's factors and a few
-    # base values (~2 GiB for a rank-16 adapter on an 8B model) in the memory the KV cache leaves.
+    # base values (~1.2 GiB for a rank-16 adapter on an 8B model) in the memory the KV cache leaves.
     # None: 8 on CUDA where adapters can merge, else 0 (never merge).
     lora_merge_steps: int | None = None
     # Steps of up to this many token rows compute the LoRA shrink in the base GEMMs, from A rows stacked
