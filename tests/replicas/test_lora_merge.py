@@ -229,8 +229,8 @@ def test_merges_that_do_not_pay_for_themselves_make_the_next_one_wait_longer(dem
     assert merger.wait == 2 and _state(llm)[1] == 5
     merger.payback_steps = 10**6
     merger.wait = 2 << lora_merge.MAX_WAIT_DOUBLINGS
-    run(140)
-    assert merger.wait == 2 << lora_merge.MAX_WAIT_DOUBLINGS  # capped
+    run(140)  # merged after 128 steps, for 12: not paid, and the wait stays at its cap
+    assert merger.wait == 2 << lora_merge.MAX_WAIT_DOUBLINGS and _state(llm)[1] == 6
     want = _runs(reference.generate(PROMPTS[:2], _params(), [lora] * 2))
     _assert_same(_runs(llm.generate(PROMPTS[:2], _params(), [lora] * 2)), want, 1e-4)
 
