@@ -203,11 +203,9 @@ class LoRAServer:
 
     def merge_state(self) -> tuple[str | None, int]:
         """The adapter running merged into the base weights now (None) and the merges so far."""
-        merger = getattr(self.engine.engine.executor.runner, "merger", None)
-        if merger is None:
-            return None, 0
-        merged = next((name for name, r in self._loaded.items() if r.lora_int_id == merger.merged), None)
-        return merged, merger.merges
+        merged_id, merges = self.engine.engine.executor.runner.lora_merge_state()  # rank 0's, read in place
+        merged = next((name for name, r in self._loaded.items() if r.lora_int_id == merged_id), None)
+        return merged, merges
 
     @property
     def default_max_tokens(self) -> int:
