@@ -1,18 +1,23 @@
-"""How much adapter loads slow the engine's own steps: loads on a thread vs in a worker process (issue 3).
+"""How much adapter loads slow the engine's own steps: loads on threads vs in a worker process (issue 3).
 
-The engine thread and a thread that loads adapters share the GIL: every torch
-call of a step releases it, and taking it back waits for the loader's Python.
-This runs a small engine's decode steps (the tiny model, one torch thread, so
-the measurement is the GIL and not core oversubscription) three ways, side
-by side:
-  idle      no loads
-  thread    a thread loads and lays out Llama-3-8B-shaped adapters back to back,
-            as ModelRunner's loader threads do
-  process   the same loads in a worker process (replicas.lora_load_process),
-            the engine's process only copying each finished slab once
-and prints the step time p50 / p90, its ratio to idle, and the loads per second.
+The engine thread and the threads that load adapters share the GIL: every torch
+call of a step releases it, and taking it back waits for the loaders' Python,
+up to the interpreter's switch interval (replicas/gil.py). This runs a small
+engine's decode steps (the tiny model, one torch thread, so the measurement is
+the GIL and not core oversubscription) under back-to-back loads of
+Llama-3-8B-shaped adapters, several ways side by side:
+  idle        no loads
+  thread      the engine's loader threads (replicas/adapter_loads.py: two of
+              them, read + check + lay out) with Python's switch interval
+  thread-<us> the same with the interval lowered to <us> microseconds while a
+              load runs (EngineArgs.lora_load_switch_interval)
+  process     the same loads in a worker process (replicas.lora_load_process),
+              the engine's process only copying each finished slab once
+Modes alternate over --rounds rounds (machine noise spreads over all of them);
+it prints the step time p50 / p90 over all rounds, its ratio to idle, and the
+loads per second.
 
-    python bench/load_contention.py [--rank 16] [--steps 150]
+    python bench/load_contention.py [--rank 16] [--steps 100] [--rounds 3] [--intervals-us 1000 200 50]
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.engine_workload import LLAMA3_8B, PROJECTIONS, TINY, AdapterPools, write_model_dir  # noqa: E402
 from lora_core.config import LoRAConfig  # noqa: E402
 from lora_core.host_adapter import AdapterPreparer  # noqa: E402
-from lora_core.lora_model import LoRAModel  # noqa: E402
+from lora_core.model_manager import LoRAModelManager  # noqa: E402
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind  # noqa: E402
+from replicas.adapter_loads import AdapterLoads  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 from replicas.lora_load_process import ProcessAdapterLoader  # noqa: E402
 from replicas.sampling_params import SamplingParams  # noqa: E402
@@ -57,13 +63,17 @@ def llama_specs(shape: dict) -> list[LoRAModuleSpec]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=100, help="engine steps per mode and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--intervals-us", type=float, nargs="*", default=[1000, 200, 50],
+                   help="lowered switch intervals to run beside Python's own")
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="lorafleet-contention-"))
     dtype = torch.bfloat16
     requests = AdapterPools(work / "lora", LLAMA3_8B, dtype, num_files=1).pool("c", a.rank, 64)
     specs = llama_specs(LLAMA3_8B)
-    cfg = LoRAConfig(max_loras=1, max_lora_rank=a.rank)
+    cfg = LoRAConfig(max_loras=1, max_lora_rank=a.rank, max_cpu_loras=8)
+    manager = LoRAModelManager(specs, cfg, device="cpu", dtype=dtype)
     preparer = AdapterPreparer({s.name: s for s in specs}, cfg, dtype)
     expected = list(PROJECTIONS)
 
@@ -71,15 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(EngineArgs(model=str(write_model_dir(work / "model", TINY)), dtype="float32", device="cpu",
                                   max_num_seqs=16, num_kv_blocks=4000, load_format="dummy",
                                   enable_prefix_caching=False))
-    params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=1_000_000, ignore_eos=True, temperature=0.0)
     for k in range(8):
         engine.add_request(f"r-{k}", {"prompt_token_ids": list(range(5, 25))}, params)
     for _ in range(5):
         engine.step()
 
-    def on_thread(request):
-        return preparer.prepare(LoRAModel.from_local_checkpoint(
-            request.lora_path, expected, lora_model_id=request.lora_int_id, lora_config=cfg, module_specs=specs))
+    def on_threads(interval_s: float):
+        # the engine's own path: AdapterLoads.load_prepared (structures kept, the interval lowered per load)
+        loads = AdapterLoads(manager, cfg, specs, switch_interval=interval_s)
+        return AdapterLoads.threads_for(0), lambda request: loads.load_prepared(request)
 
     procs = ProcessAdapterLoader(1, preparer, expected, cfg, specs, adopt=None)
 
@@ -87,38 +98,50 @@ def main(argv: list[str] | None = None) -> None:
         return procs.load(request)[1].copy(pin_memory=False)  # the serving process's one copy (pinned on GPU)
 
     procs.load(requests[0])  # the worker has imported torch and is warm
-    rows = []
-    for mode, load in (("idle", None), ("thread", on_thread), ("process", in_process)):
-        stop, loads = threading.Event(), [0]
+    modes = {"idle": (0, None), "thread": on_threads(0.0)}
+    modes.update({f"thread-{us:g}": on_threads(us * 1e-6) for us in a.intervals_us})
+    modes["process"] = (1, in_process)
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
+    for round_ in range(a.rounds):
+        for mode, (threads, load) in modes.items():
+            stop, loads_done = threading.Event(), [0]
 
-        def loop(load=load, stop=stop, loads=loads):
-            torch.set_num_threads(1)
-            while not stop.is_set():
-                load(requests[loads[0] % len(requests)])
-                loads[0] += 1
+            def loop(load=load, stop=stop, loads_done=loads_done):
+                torch.set_num_threads(1)  # as the engine's loader threads
+                while not stop.is_set():
+                    load(requests[loads_done[0] % len(requests)])
+                    loads_done[0] += 1
 
-        worker = threading.Thread(target=loop, daemon=True) if load else None
-        if worker:
-            worker.start()
-            time.sleep(0.5)
-        times, t0 = [], time.perf_counter()
-        for _ in range(a.steps):
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        wall = time.perf_counter() - t0
-        stop.set()
-        if worker:
-            worker.join()
-        times.sort()
-        rows.append((mode, 1e3 * times[len(times) // 2], 1e3 * times[int(0.9 * len(times))], loads[0] / wall))
-        print(f"# {mode} done", flush=True)
+            workers = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
+            for worker in workers:
+                worker.start()
+            if workers:
+                time.sleep(0.5)
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                start = time.perf_counter()
+                engine.step()
+                times[mode].append(time.perf_counter() - start)
+            rates[mode].append(loads_done[0] / (time.perf_counter() - t0))
+            stop.set()
+            for worker in workers:
+                worker.join()
+        print(f"# round {round_ + 1} of {a.rounds} done", flush=True)
     procs.shutdown()
-    idle = rows[0][1]
-    print(f"\ntiny engine, 8 sequences, 1 torch thread; loads: Llama-3-8B shape, rank {a.rank}, bf16")
-    print("mode       step p50 ms  step p90 ms  x idle  loads/s")
-    for mode, p50, p90, rate in rows:
-        print(f"{mode:8} {p50:12.2f} {p90:12.2f} {p50 / idle:7.2f} {rate:8.1f}")
+
+    def pct(values: list[float], q: float) -> float:
+        values = sorted(values)
+        return 1e3 * values[min(len(values) - 1, int(q * len(values)))]
+
+    idle = pct(times["idle"], 0.5)
+    print(f"\ntiny engine, 8 sequences, 1 torch thread; loads: Llama-3-8B shape, rank {a.rank}, bf16; "
+          f"Python's switch interval {sys.getswitchinterval() * 1e3:g} ms; {a.rounds} rounds of {a.steps} steps")
+    print("mode          step p50 ms  step p90 ms  x idle  loads/s")
+    for mode in modes:
+        p50 = pct(times[mode], 0.5)
+        print(f"{mode:13} {p50:12.2f} {pct(times[mode], 0.9):12.2f} {p50 / idle:7.2f} "
+              f"{sum(rates[mode]) / len(rates[mode]):8.1f}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from lora_core.lora_model import LoRAModel
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAModuleSpec
 from lora_core.request import LoRARequest
+from replicas.gil import LOADER_SWITCH_INTERVAL
 from replicas.lora_load_process import ProcessAdapterLoader
 
 # Adapter loads run on two threads, each with torch's intra-op parallelism off: an adapter is hundreds of
@@ -35,8 +36,9 @@ def _init_loader_thread() -> None:
 
 class AdapterLoads:
     def __init__(self, manager: LoRAModelManager, lora_config: LoRAConfig, specs: list[LoRAModuleSpec],
-                 processes: int = 0, pin: bool = False) -> None:
+                 processes: int = 0, pin: bool = False, switch_interval: float = 0.0) -> None:
         self.manager, self.lora_config, self.specs = manager, lora_config, specs
+        self.switch_interval = switch_interval  # the GIL's, while a load runs on a loader thread (gil.py)
         self.expected = sorted({s for spec in specs for s in spec.sub_modules})
         self.structures = AdapterStructures()  # structures checked once (lora_core/adapter_structure.py)
         self._loads: dict[int, tuple[LoRARequest, Future]] = {}
@@ -67,8 +69,9 @@ class AdapterLoads:
     def load_prepared(self, request: LoRARequest):
         if self.process_loader is not None:
             return self.process_loader.load(request)
-        lora = self.load(request)
-        return lora.rank, self.manager.prepare_adapter(lora)
+        with LOADER_SWITCH_INTERVAL.lowered(self.switch_interval):
+            lora = self.load(request)
+            return lora.rank, self.manager.prepare_adapter(lora)
 
     def load(self, request: LoRARequest) -> LoRAModel:
         """Read and validate an adapter on the calling thread. Its tensors are the file's own (copy=False):

@@ -96,6 +96,7 @@ class LLMEngine:
                                   enforce_eager=args.enforce_eager or args.cudagraph_mode == "none",
                                   piecewise_graphs=args.cudagraph_mode == "full_and_piecewise",
                                   lora_load_processes=args.lora_load_processes,
+                                  lora_load_switch_interval=args.lora_load_switch_interval,
                                   lora_host_pool=args.lora_host_pool, lora_merge_steps=args.lora_merge_steps,
                                   lora_stacked_max_tokens=args.lora_stacked_max_tokens,
                                   lora_fused_max_adapters=args.lora_fused_max_adapters,

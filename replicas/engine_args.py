@@ -39,6 +39,10 @@ class EngineArgs:
     # Opt-in: adapter loads in this many worker processes instead of threads, so they share no GIL with
     # the engine (replicas/lora_load_process.py; needs an `if __name__ == "__main__":` guard).
     lora_load_processes: int = 0
+    # While adapter loads run on loader threads (lora_load_processes 0), the interpreter's GIL switch interval
+    # is at most this many seconds (sys.setswitchinterval; Python's own is 5 ms): how long a step's host work
+    # may wait for a loader's Python to let go of the GIL (replicas/gil.py). 0: leave it as it is.
+    lora_load_switch_interval: float = 2e-4
     # Host memory for max_cpu_loras adapters (plus loads in flight), each sized for max_lora_rank, pinned at
     # start-up (lora_core/pinned_pool.py), so serving never pins memory; False pins per adapter as it arrives.
     lora_host_pool: bool = True
@@ -78,6 +82,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
+        if self.lora_load_switch_interval < 0:
+            raise ValueError(f"lora_load_switch_interval must be >= 0 seconds (0: leave Python's), "
+                             f"got {self.lora_load_switch_interval}")
         if self.lora_merge_steps is not None and self.lora_merge_steps < 0:
             raise ValueError(f"lora_merge_steps must be >= 0 (0: never merge), got {self.lora_merge_steps}")
         if self.lora_stacked_max_tokens is not None and self.lora_stacked_max_tokens < 0:

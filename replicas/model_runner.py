@@ -79,6 +79,7 @@ class RunnerConfig:
     # on GPU; False runs them eagerly (decode steps keep their graphs).
     piecewise_graphs: bool = True
     lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
+    lora_load_switch_interval: float = 2e-4  # GIL switch interval while loads run on threads (replicas/gil.py)
     lora_host_pool: bool = True  # host-tier adapters in blocks pinned at start-up (lora_core/pinned_pool.py)
     lora_merge_steps: int | None = None  # one adapter alone this long runs merged (lora_merge.py); None: 8 on CUDA
     # steps of up to this many token rows shrink in the base GEMMs (lora_core/stacked_a.py); None: 256 on CUDA
@@ -154,7 +155,7 @@ class ModelRunner:
         # None where merging is off; a merge's undo lives in the memory the KV budget leaves (lora_merge.py)
         self.merger = merger_for(self.model, self.lora_manager, cfg.lora_merge_steps, self.ctx, self.device)
         self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, cfg.lora_load_processes,
-                                  pin=self.device.type == "cuda")
+                                  pin=self.device.type == "cuda", switch_interval=cfg.lora_load_switch_interval)
 
     def _num_kv_blocks(self) -> int:
         """Blocks per rank: the fixed count, or the memory budget over one block's bytes (same on all ranks)."""
