@@ -81,11 +81,19 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(EngineArgs(model=str(write_model_dir(work / "model", TINY)), dtype="float32", device="cpu",
                                   max_num_seqs=16, num_kv_blocks=4000, load_format="dummy",
                                   enable_prefix_caching=False))
-    params = SamplingParams(max_tokens=1_000_000, ignore_eos=True, temperature=0.0)
-    for k in range(8):
-        engine.add_request(f"r-{k}", {"prompt_token_ids": list(range(5, 25))}, params)
-    for _ in range(5):
-        engine.step()
+    params = SamplingParams(max_tokens=a.steps + 10, ignore_eos=True, temperature=0.0)
+    batches = iter(range(1_000_000))
+
+    def fresh_batch() -> None:
+        # Every (mode, round) decodes a new batch from the same lengths: a batch that ran on would reach the
+        # model's context limit and finish, leaving later modes empty steps.
+        for request_id in list(engine.scheduler.requests):
+            engine.abort(request_id)
+        batch = next(batches)
+        for k in range(8):
+            engine.add_request(f"b{batch}-{k}", {"prompt_token_ids": list(range(5, 25))}, params)
+        for _ in range(5):
+            engine.step()
 
     def on_threads(interval_s: float):
         # the engine's own path: AdapterLoads.load_prepared (structures kept, the interval lowered per load)
@@ -105,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     rates: dict[str, list[float]] = {mode: [] for mode in modes}
     for round_ in range(a.rounds):
         for mode, (threads, load) in modes.items():
+            fresh_batch()
             stop, loads_done = threading.Event(), [0]
 
             def loop(load=load, stop=stop, loads_done=loads_done):
@@ -118,12 +127,14 @@ def main(argv: list[str] | None = None) -> None:
                 worker.start()
             if workers:
                 time.sleep(0.5)
-            t0 = time.perf_counter()
+            t0, done = time.perf_counter(), loads_done[0]
             for _ in range(a.steps):
                 start = time.perf_counter()
                 engine.step()
                 times[mode].append(time.perf_counter() - start)
-            rates[mode].append(loads_done[0] / (time.perf_counter() - t0))
+            rates[mode].append((loads_done[0] - done) / (time.perf_counter() - t0))
+            if len(engine.scheduler.requests) != 8:
+                raise SystemExit(f"{mode}: the batch finished before its steps were timed")
             stop.set()
             for worker in workers:
                 worker.join()

@@ -4,7 +4,9 @@ A load reads, validates and prepares an adapter on a loader thread, or in a
 worker process with EngineArgs.lora_load_processes (replicas.lora_load_process),
 while the rank keeps running steps; finish() hands the prepared adapter to
 the LoRAModelManager. Every disk load of an adapter goes through load_prepared
-(background) or load (a synchronous reload of a registered adapter).
+(background) or load (a synchronous reload of a registered adapter). A load on a
+loader thread shares the GIL with the engine's steps, so it runs with the
+interpreter's switch interval lowered (replicas/gil.py).
 """
 
 from __future__ import annotations
