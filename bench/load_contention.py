@@ -15,7 +15,10 @@ Llama-3-8B-shaped adapters, several ways side by side:
               the engine's process only copying each finished slab once
 Modes alternate over --rounds rounds (machine noise spreads over all of them);
 it prints the step time p50 / p90 over all rounds, its ratio to idle, and the
-loads per second.
+loads per second; and, for the thread modes, what one load takes on a thread
+while another thread runs Python non-stop (load_beside_python: the GIL's other
+direction, the engine's host loop holding off a load, which a request for a new
+adapter waits for).
 
     python bench/load_contention.py [--rank 16] [--steps 100] [--rounds 3] [--intervals-us 1000 200 50]
 """
@@ -60,6 +63,30 @@ def llama_specs(shape: dict) -> list[LoRAModuleSpec]:
     return specs
 
 
+def load_beside_python(load, requests, seconds: float) -> float:
+    """ms per load, loads back to back on this thread, while another thread runs Python without a pause (as an
+    engine's host loop between its torch calls): each time a load takes the GIL back it may wait a switch
+    interval for that thread to let go."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    done, t0 = 0, time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds or done == 0:
+            load(requests[done % len(requests)])
+            done += 1
+    finally:
+        stop.set()
+        spinner.join()
+    return 1e3 * (time.perf_counter() - t0) / done
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rank", type=int, default=16)
@@ -67,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--intervals-us", type=float, nargs="*", default=[1000, 200, 50],
                    help="lowered switch intervals to run beside Python's own")
+    p.add_argument("--beside-python-s", type=float, default=3.0,
+                   help="per thread mode: seconds of loads beside a thread running Python (0: skip)")
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="lorafleet-contention-"))
     dtype = torch.bfloat16
@@ -109,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     modes = {"idle": (0, None), "thread": on_threads(0.0)}
     modes.update({f"thread-{us:g}": on_threads(us * 1e-6) for us in a.intervals_us})
     modes["process"] = (1, in_process)
+    beside = {mode: load_beside_python(load, requests, a.beside_python_s)
+              for mode, (threads, load) in modes.items() if mode.startswith("thread") and a.beside_python_s > 0}
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     rates: dict[str, list[float]] = {mode: [] for mode in modes}
     for round_ in range(a.rounds):
@@ -148,10 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     idle = pct(times["idle"], 0.5)
     print(f"\ntiny engine, 8 sequences, 1 torch thread; loads: Llama-3-8B shape, rank {a.rank}, bf16; "
           f"Python's switch interval {sys.getswitchinterval() * 1e3:g} ms; {a.rounds} rounds of {a.steps} steps")
-    print("mode          step p50 ms  step p90 ms  x idle  loads/s")
+    print("mode          step p50 ms  step p90 ms  x idle  loads/s  ms a load beside Python")
     for mode in modes:
         p50 = pct(times[mode], 0.5)
         print(f"{mode:13} {p50:12.2f} {pct(times[mode], 0.9):12.2f} {p50 / idle:7.2f} "
+              f"{sum(rates[mode]) / len(rates[mode]):8.1f}  {beside[mode]:10.0f}" if mode in beside else
+              f"{mode:13} {p50:12.2f} {pct(times[mode], 0.9):12.2f} {p50 / idle:7.2f} "
               f"{sum(rates[mode]) / len(rates[mode]):8.1f}")
 
 

@@ -8,9 +8,12 @@ the file's structure, which lora_core/adapter_structure.py lets a loader check o
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from lora_core.config import LoRAConfig
@@ -126,6 +129,37 @@ def all_finite(t: torch.Tensor) -> bool:
     as_int, magnitude, exponent = spec
     bits = t.contiguous().view(as_int).numpy()
     return int((bits & magnitude).max()) < exponent
+
+
+_FINITE_CHUNK = 1 << 22  # elements per numpy call of data_all_finite: 8 MB of bf16
+
+
+def data_all_finite(path: Path, dtype: torch.dtype) -> bool | None:
+    """True when no element of the safetensors file's data section, read as ``dtype``, is NaN or Inf; None
+    where the bit test does not know the dtype. One pass in a few numpy calls over the whole section, where
+    all_finite takes several per tensor: each call gives the GIL up and takes it back, and a load on a thread
+    beside the engine's steps may wait for the GIL at every one of them (replicas/gil.py). For a file whose
+    data section holds only tensors of that dtype (AdapterStructures' CheckedStructure.dtype)."""
+    spec = _EXPONENT_BITS.get(dtype)
+    if spec is None:
+        return None
+    as_int, magnitude, exponent = spec
+    np_int = {torch.int16: np.int16, torch.int32: np.int32}[as_int]
+    try:
+        with open(path, "rb") as f:
+            start = 8 + struct.unpack("<Q", f.read(8))[0]
+        if path.stat().st_size <= start:
+            return True
+        data = np.memmap(path, dtype=np_int, mode="r", offset=start)
+    except (OSError, ValueError, struct.error):  # the file changed since its tensors were read: check those
+        return None
+    scratch = np.empty(min(data.shape[0], _FINITE_CHUNK), dtype=np_int)
+    for lo in range(0, data.shape[0], _FINITE_CHUNK):
+        out = scratch[:min(_FINITE_CHUNK, data.shape[0] - lo)]
+        np.bitwise_and(data[lo:lo + out.shape[0]], magnitude, out=out)
+        if int(out.max()) >= exponent:
+            return False
+    return True
 
 
 def _tensors(mt: ModuleTensors) -> list[tuple[str, torch.Tensor]]:

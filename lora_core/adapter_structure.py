@@ -11,12 +11,15 @@ checks their values (NaN / Inf) and lays them out.
 
 from __future__ import annotations
 
+import json
 import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from lora_core.module_spec import LoRAModuleSpec
 
@@ -40,6 +43,20 @@ def read_header(path: Path) -> bytes | None:
     return header if len(header) == size else None
 
 
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def uniform_dtype(header: bytes) -> torch.dtype | None:
+    """The one dtype of every tensor the header lists (its data section then holds only elements of it:
+    safetensors leaves no holes), or None where they differ or it is not a float dtype the checks know."""
+    try:
+        entries = [v for k, v in json.loads(header).items() if k != "__metadata__"]
+        names = {entry["dtype"] for entry in entries}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return _DTYPES.get(names.pop()) if len(names) == 1 else None
+
+
 @dataclass(frozen=True)
 class ModuleKeys:
     """Where one module's tensors are in the file."""
@@ -52,10 +69,13 @@ class ModuleKeys:
 
 @dataclass(frozen=True)
 class CheckedStructure:
-    """An adapter structure with no problem: its modules' keys, and its rank (the largest module rank)."""
+    """An adapter structure with no problem: its modules' keys, its rank (the largest module rank), and the
+    one dtype of every tensor in the file (uniform_dtype; None where they differ), which lets
+    adapter_checks.data_all_finite check a load's values in one pass over the file's data section."""
 
     modules: dict[str, ModuleKeys]
     rank: int
+    dtype: torch.dtype | None = None
 
 
 class AdapterStructures:

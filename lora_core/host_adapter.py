@@ -14,6 +14,7 @@ into pinned memory in one piece.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -174,17 +175,19 @@ class AdapterPreparer:
             slab.index_fill_(0, self.layout.padding, 0)
         for name, (a_all, b_all, bias_all) in regions.items():
             _zero_unwritten(a_all, b_all, bias_all, modules[name][1] if name in modules else [], self.dims[name])
+        copies = _Copies()
         for name, (module_ranks, writes) in modules.items():
             ranks[self.layout.index(name), :len(module_ranks)] = module_ranks
             a_all, b_all, bias_all = regions[name]
             for w in writes:
                 if w.a.numel():
                     dst = a_all[:, :w.a.shape[1]] if self.dims[name].is_embedding else a_all[w.index, :w.a.shape[0]]
-                    dst.copy_(w.a)
+                    copies.add(dst, w.a, 1.0)
                 rows = slice(w.b_offset, w.b_offset + w.b.shape[0])
-                _scaled_copy(b_all[rows, :w.b.shape[1]], w.b, w.scale)
+                copies.add(b_all[rows, :w.b.shape[1]], w.b, w.scale)
                 if w.bias is not None and bias_all is not None:
-                    _scaled_copy(bias_all[rows], w.bias, w.scale)
+                    copies.add(bias_all[rows], w.bias, w.scale)
+        copies.run()
         return ranks
 
     def _check_layer(self, where: str, name: str, layer: LoRALayerWeights, spec: LoRAModuleSpec,
@@ -250,9 +253,32 @@ def _zero_unwritten(a_all: torch.Tensor, b_all: torch.Tensor, bias_all: torch.Te
         offset += width
 
 
-def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
-    # As LoRALayerWeights.optimize: the product in the source dtype, rounded once into the slot's.
-    if scale == 1.0:
-        dst.copy_(src)
-    else:
-        torch.mul(src, scale, out=dst)
+class _Copies:
+    """dst = src * scale for many small tensors with disjoint dsts, in a few torch calls (an 8B adapter has ~450):
+    each call gives the GIL up and takes it back, and a load on a thread beside the engine's steps may wait for
+    the GIL at every one of them (replicas/gil.py). As LoRALayerWeights.optimize, the product is the exact one
+    rounded once into the slot's dtype. A copy then an in-place multiply by a power of two (alpha = 2r, rsLoRA's
+    16 / sqrt(16), ...) gives that wherever the dtypes match; any other scale, or a change of dtype, multiplies
+    into the slot tensor by tensor (torch's batched multiply rounds the scale to the tensor's dtype first)."""
+
+    def __init__(self) -> None:
+        self._copy: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._scale: dict[float, list[torch.Tensor]] = {}
+        self._across: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+        if scale != 1.0 and (src.dtype != dst.dtype or math.frexp(scale)[0] != 0.5):
+            self._across.append((dst, src, scale))
+            return
+        self._copy[0].append(dst)
+        self._copy[1].append(src)
+        if scale != 1.0:
+            self._scale.setdefault(scale, []).append(dst)
+
+    def run(self) -> None:
+        if self._copy[0]:
+            torch._foreach_copy_(*self._copy)  # one call: on CPU it runs each tensor's copy_
+        for scale, dsts in self._scale.items():
+            torch._foreach_mul_(dsts, scale)
+        for dst, src, scale in self._across:
+            torch.mul(src, scale, out=dst)

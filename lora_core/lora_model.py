@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from lora_core.adapter_checks import ModuleTensors, checked_modules, config_problems, spec_index, value_problems
-from lora_core.adapter_structure import AdapterStructures, CheckedStructure, ModuleKeys, read_header
+from lora_core.adapter_checks import (ModuleTensors, checked_modules, config_problems, data_all_finite, spec_index,
+                                      value_problems)
+from lora_core.adapter_structure import AdapterStructures, CheckedStructure, ModuleKeys, read_header, uniform_dtype
 from lora_core.config import LoRAConfig
 from lora_core.errors import AdapterFileMissingError, CorruptAdapterError, UnsafeAdapterFormatError
 from lora_core.layer_weights import LoRALayerWeights
@@ -44,7 +45,9 @@ def _own(t: torch.Tensor | None, device: torch.device | str, dtype: torch.dtype 
 
 def _as(t: torch.Tensor | None, device: torch.device | str, dtype: torch.dtype | None) -> torch.Tensor | None:
     """t itself where device and dtype match (copy=False), else a converted copy."""
-    return None if t is None else t.to(device=device, dtype=dtype or t.dtype)
+    if t is None or (t.device == torch.device(device) and dtype in (None, t.dtype)):
+        return t  # no .to(): each torch call gives the GIL up and takes it back (replicas/gil.py)
+    return t.to(device=device, dtype=dtype or t.dtype)
 
 
 def _find_weights(lora_dir: Path) -> Path:
@@ -154,7 +157,9 @@ class LoRAModel:
         known = structures.get(key) if key is not None else None
         if known is not None:
             modules = _read_known(weights_path, known, part)
-            raise_problems(path, [p for mt in modules.values() for p in value_problems(mt, path)])
+            # A whole load checks the file's values in one pass; a part (or a finding) checks tensor by tensor
+            if part is not None or known.dtype is None or data_all_finite(weights_path, known.dtype) is not True:
+                raise_problems(path, [p for mt in modules.values() for p in value_problems(mt, path)])
             rank = known.rank
         else:
             modules = checked_modules(_load_safetensors(weights_path, part), helper, path, expected,
@@ -163,7 +168,7 @@ class LoRAModel:
             if key is not None:
                 structures.put(key, CheckedStructure({name: ModuleKeys(mt.a[0], mt.b[0], mt.bias and mt.bias[0],
                                                                        mt.embedding)
-                                                      for name, mt in modules.items()}, rank))
+                                                      for name, mt in modules.items()}, rank, uniform_dtype(header)))
         return cls(lora_model_id, rank, _build(modules, helper, device, dtype, copy), peft_helper=helper,
                    path=str(lora_dir))
 

@@ -88,3 +88,24 @@ def test_an_image_written_over_another_adapters_bytes_equals_a_fresh_one(monkeyp
     qkv_a, qkv_b, qkv_bias = got_views["model.layers.0.self_attn.qkv_proj"]
     assert qkv_a[1].abs().sum() == 0 and qkv_a[0, 8:].abs().sum() == 0 and qkv_b[:, 8:].abs().sum() == 0
     assert qkv_bias[:HIDDEN].abs().sum() == 0 and qkv_bias[HIDDEN + KV:].abs().sum() > 0  # q: none, v: given
+
+
+@pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                  (torch.float32, torch.float32), (torch.float16, torch.float32)])
+def test_batched_copies_round_as_one_scaled_copy_each(src_dtype, dst_dtype):
+    """_Copies (a few torch calls for a whole adapter) writes the bits that one torch.mul(src, scale, out=dst) per
+    tensor writes: the product in the source dtype, rounded once into the slot's, into strided views too."""
+    from lora_core.host_adapter import _Copies
+
+    gen = torch.Generator().manual_seed(0)
+    srcs = [(torch.randn(shape, generator=gen) * 3).to(src_dtype) for shape in [(5, 7), (3, 4), (6, 2), (1, 9), (2, 5)]]
+    scales = [1.0, 2.0, 0.37, 3.0, 0.25]
+    batched, reference = torch.zeros(18, 16, dtype=dst_dtype), torch.zeros(18, 16, dtype=dst_dtype)
+    copies, row = _Copies(), 0
+    for k, (src, scale) in enumerate(zip(srcs, scales)):  # disjoint strided views, as a slot image's regions
+        rows, cols = src.shape
+        copies.add(batched[row:row + rows, k:k + cols], src, scale)
+        torch.mul(src, scale, out=reference[row:row + rows, k:k + cols])
+        row += rows
+    copies.run()
+    assert torch.equal(batched.view(torch.uint8), reference.view(torch.uint8))
