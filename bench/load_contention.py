@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def on_threads(interval_s: float):
         # the engine's own path: AdapterLoads.load_prepared (structures kept, the interval lowered per load)
-        loads = AdapterLoads(manager, cfg, specs, switch_interval=interval_s)
+        # (no switch_interval argument for Python's own, so that this script also runs on trees before it)
+        loads = AdapterLoads(manager, cfg, specs, **({"switch_interval": interval_s} if interval_s else {}))
         return AdapterLoads.threads_for(0), lambda request: loads.load_prepared(request)
 
     procs = ProcessAdapterLoader(1, preparer, expected, cfg, specs, adopt=None)
