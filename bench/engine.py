@@ -110,11 +110,20 @@ def parse_variant(text: str) -> tuple[str, dict]:
         key, _, value = item.partition("=")
         if key not in known or not value:
             raise SystemExit(f"--variant {text!r}: {key!r} is not an EngineArgs field=value")
-        bools = {"True": True, "False": False}
-        overrides[key] = int(value) if value.lstrip("-").isdigit() else bools.get(value, value)
+        overrides[key] = _value(value)
     if not name or not overrides:
         raise SystemExit(f"--variant {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE]")
     return name, overrides
+
+
+def _value(text: str):
+    """A --variant value as the field wants it: int, float (0.0005, 1e-3), True / False, None, or the text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"True": True, "False": False, "None": None}.get(text, text)
 
 
 def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: int) -> dict:

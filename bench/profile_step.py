@@ -11,6 +11,8 @@ by device and by host time.
     python bench/profile_step.py --rank 16 --steps 40 --adapters 200   # every request its own adapter
     python bench/profile_step.py --rank 16 --steps 80 --adapters 100 --load-processes 4   # > slots and host cache
     python bench/profile_step.py --rank 16 --steps 40 --adapters 10 --fused-max-adapters 16   # one launch per site
+    python bench/profile_step.py --rank 16 --steps 60 --tp 2 --warm-steps 0    # a TP engine's first steps (rank 0)
+    python bench/profile_step.py --rank 16 --set lora_merge_steps=0 --set lora_load_switch_interval=0
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.engine import parse_variant  # noqa: E402
 from bench.engine_workload import LLAMA3_8B, TINY, AdapterPools, make_requests, write_model_dir  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 from replicas.sampling_params import SamplingParams  # noqa: E402
@@ -51,8 +54,14 @@ def main(argv=None) -> None:
                    help="EngineArgs.lora_fused_max_adapters (one launch per LoRA site; default: the engine's)")
     p.add_argument("--pending-min-adapters", type=int, default=5,
                    help="EngineArgs.lora_pending_min_adapters (expands fused into the next op from this many)")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (the profile is rank 0's process)")
+    p.add_argument("--warm-steps", type=int, default=60,
+                   help="steps before the profiled window (0: from the engine's first step, after its warm-up)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other EngineArgs field, as bench/engine.py's --variant takes it")
     p.add_argument("--trace", default=None, help="also write the profile as a gzipped Chrome trace here")
     a = p.parse_args(argv)
+    overrides = parse_variant("set:" + ",".join(a.set))[1] if a.set else {}
     shape = TINY if a.tiny else LLAMA3_8B
     work = Path(tempfile.mkdtemp())
     model_dir = write_model_dir(work / "model", shape)
@@ -64,7 +73,8 @@ def main(argv=None) -> None:
                                   load_format="dummy", enforce_eager=a.enforce_eager,
                                   lora_load_processes=a.load_processes,
                                   lora_fused_max_adapters=a.fused_max_adapters,
-                                  lora_pending_min_adapters=a.pending_min_adapters))
+                                  lora_pending_min_adapters=a.pending_min_adapters,
+                                  tensor_parallel_size=a.tp, **overrides))
     reqs = make_requests(8 * a.concurrency, (8, 512), (8, 512), shape["vocab_size"], None, seed=0)
     it = iter(enumerate(reqs))
     kinds: dict[str, list[float]] = {"mixed": [], "decode": []}
@@ -102,7 +112,7 @@ def main(argv=None) -> None:
         clock["end"] = time.perf_counter()
         kinds["mixed" if last.get("prefill") else "decode"].append(clock["end"] - start)
 
-    for _ in range(60):
+    for _ in range(a.warm_steps):
         step()
     kinds = {"mixed": [], "decode": []}
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]

@@ -138,3 +138,19 @@ def test_rows_count_the_kernels_compiled_while_serving(tiny_run):
         rows = {r["scenario"]: r for r in csv.DictReader(f)}
     for name in ENGINE_ROWS:  # no compiler under the interpreter: nothing compiles, and the column says so
         assert rows[name]["compiles"] == "0" and rows[name]["compiled"] == "", (name, rows[name])
+
+
+def test_variants_take_every_kind_of_engine_setting():
+    """--variant NAME:FIELD=VALUE,...: ints, floats (a switch interval, a memory share), booleans and None reach
+    EngineArgs as such; anything not a field is refused."""
+    sys.path.insert(0, str(ROOT))
+    from bench.engine import parse_variant
+
+    name, fields = parse_variant("si:lora_load_switch_interval=5e-4,gpu_memory_utilization=0.8,lora_load_processes=4,"
+                                 "lora_compact_slots=False,lora_merge_steps=None,dtype=float16")
+    assert name == "si"
+    assert fields == dict(lora_load_switch_interval=5e-4, gpu_memory_utilization=0.8, lora_load_processes=4,
+                          lora_compact_slots=False, lora_merge_steps=None, dtype="float16")
+    assert type(fields["lora_load_processes"]) is int and type(fields["gpu_memory_utilization"]) is float
+    with pytest.raises(SystemExit, match="not an EngineArgs field"):
+        parse_variant("x:no_such_field=1")
