@@ -276,9 +276,17 @@ class _Copies:
             self._scale.setdefault(scale, []).append(dst)
 
     def run(self) -> None:
-        if self._copy[0]:
+        batched = hasattr(torch, "_foreach_copy_") and hasattr(torch, "_foreach_mul_")  # private, since torch 2.1
+        if batched and self._copy[0]:
             torch._foreach_copy_(*self._copy)  # one call: on CPU it runs each tensor's copy_
+        elif self._copy[0]:
+            for dst, src in zip(*self._copy):
+                dst.copy_(src)
         for scale, dsts in self._scale.items():
-            torch._foreach_mul_(dsts, scale)
+            if batched:
+                torch._foreach_mul_(dsts, scale)
+            else:
+                for dst in dsts:
+                    dst.mul_(scale)
         for dst, src, scale in self._across:
             torch.mul(src, scale, out=dst)

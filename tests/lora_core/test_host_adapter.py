@@ -92,11 +92,14 @@ def test_an_image_written_over_another_adapters_bytes_equals_a_fresh_one(monkeyp
 
 @pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
                                                   (torch.float32, torch.float32), (torch.float16, torch.float32)])
-def test_batched_copies_round_as_one_scaled_copy_each(src_dtype, dst_dtype):
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per-tensor"])
+def test_batched_copies_round_as_one_scaled_copy_each(src_dtype, dst_dtype, foreach, monkeypatch):
     """_Copies (a few torch calls for a whole adapter) writes the bits that one torch.mul(src, scale, out=dst) per
     tensor writes: the product in the source dtype, rounded once into the slot's, into strided views too."""
     from lora_core.host_adapter import _Copies
 
+    if not foreach:  # a torch without the private batched ops
+        monkeypatch.delattr(torch, "_foreach_copy_")
     gen = torch.Generator().manual_seed(0)
     srcs = [(torch.randn(shape, generator=gen) * 3).to(src_dtype) for shape in [(5, 7), (3, 4), (6, 2), (1, 9), (2, 5)]]
     scales = [1.0, 2.0, 0.37, 3.0, 0.25]
