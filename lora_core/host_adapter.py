@@ -167,17 +167,13 @@ class AdapterPreparer:
         ranks, regions = self.layout.image_views(slab)
         if part is not None:  # this part's modules only, each part's ranks rows its own
             regions = {name: views for name, views in regions.items() if part_of(name, part[1]) == part[0]}
-            for name in regions:
-                ranks[self.layout.index(name)] = 0
-        else:
-            ranks.zero_()
+        self._write_ranks(ranks, modules, [self.layout.index(name) for name in regions] if part else None)
         if part is None or part[0] == 0:
             slab.index_fill_(0, self.layout.padding, 0)
         for name, (a_all, b_all, bias_all) in regions.items():
             _zero_unwritten(a_all, b_all, bias_all, modules[name][1] if name in modules else [], self.dims[name])
         copies = _Copies()
-        for name, (module_ranks, writes) in modules.items():
-            ranks[self.layout.index(name), :len(module_ranks)] = module_ranks
+        for name, (_, writes) in modules.items():
             a_all, b_all, bias_all = regions[name]
             for w in writes:
                 if w.a.numel():
@@ -189,6 +185,20 @@ class AdapterPreparer:
                     copies.add(bias_all[rows], w.bias, w.scale)
         copies.run()
         return ranks
+
+    def _write_ranks(self, ranks: torch.Tensor, modules: dict[str, tuple[list[int], list[SliceWrite]]],
+                     rows: list[int] | None) -> None:
+        """The ranks table's rows (every row, or a part's ``rows``): each module's slice ranks, zeros elsewhere,
+        in two torch calls (not two per module: replicas/gil.py says why that counts)."""
+        rows = list(range(ranks.shape[0])) if rows is None else rows
+        table = {row: [0] * ranks.shape[1] for row in rows}
+        for name, (module_ranks, _) in modules.items():
+            table[self.layout.index(name)][:len(module_ranks)] = module_ranks
+        values = torch.tensor([table[row] for row in rows], dtype=ranks.dtype)
+        if len(rows) == ranks.shape[0]:
+            ranks.copy_(values)
+        elif rows:
+            ranks[rows] = values
 
     def _check_layer(self, where: str, name: str, layer: LoRALayerWeights, spec: LoRAModuleSpec,
                      index: int) -> None:
@@ -209,7 +219,7 @@ class AdapterPreparer:
                                                      f"({spec.out_slices[index]},)")
 
     def _prepare_module(self, spec: LoRAModuleSpec, layers: list[LoRALayerWeights | None]
-                        ) -> tuple[torch.Tensor, list[SliceWrite]]:
+                        ) -> tuple[list[int], list[SliceWrite]]:
         dims, fs = self.dims[spec.name], self.config.fully_sharded_loras
         cut = dict(shard=spec.shard, tp_rank=self.tp_rank, tp_size=self.tp_size)
         ranks, writes, offset = [0] * len(layers), [], 0
@@ -225,7 +235,7 @@ class AdapterPreparer:
                                           layer.scaling))
                 ranks[index] = local_rank(layer.rank, **cut, max_rank=self.config.max_lora_rank, fully_sharded=fs)
             offset += dims.out_slices[index]
-        return torch.tensor(ranks, dtype=torch.int32), writes  # laid out in the slab by _write_image
+        return ranks, writes  # laid out in the slab by _write_image
 
 
 def _zero_unwritten(a_all: torch.Tensor, b_all: torch.Tensor, bias_all: torch.Tensor | None,

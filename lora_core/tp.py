@@ -45,6 +45,8 @@ def _chunk(t: torch.Tensor, dim: int, tp_rank: int, tp_size: int, what: str) -> 
     size = t.shape[dim]
     if size % tp_size:
         raise LoRAConfigError(f"{what}: dim {size} is not divisible by tp_size {tp_size}")
+    if tp_size == 1:
+        return t  # the whole tensor, without a torch call (a load makes hundreds: replicas/gil.py)
     step = size // tp_size
     return t.narrow(dim, tp_rank * step, step)
 
