@@ -134,17 +134,18 @@ def all_finite(t: torch.Tensor) -> bool:
 _FINITE_CHUNK = 1 << 22  # elements per numpy call of data_all_finite: 8 MB of bf16
 
 
-def data_all_finite(path: Path, dtype: torch.dtype) -> bool | None:
-    """True when no element of the safetensors file's data section, read as ``dtype``, is NaN or Inf; None
-    where the bit test does not know the dtype. One pass in a few numpy calls over the whole section, where
-    all_finite takes several per tensor: each call gives the GIL up and takes it back, and a load on a thread
-    beside the engine's steps may wait for the GIL at every one of them (replicas/gil.py). For a file whose
-    data section holds only tensors of that dtype (AdapterStructures' CheckedStructure.dtype)."""
+def data_all_finite(path: Path, dtype: torch.dtype, spans: Iterable[tuple[int, int]] | None = None) -> bool | None:
+    """True when no element of the safetensors file's data section, read as ``dtype``, is NaN or Inf (only in
+    ``spans``, byte ranges of the section, where given); None where the bit test does not know the dtype. One
+    pass in a few numpy calls per span, where all_finite takes several per tensor: each call gives the GIL up
+    and takes it back, and a load on a thread beside the engine's steps may wait for the GIL at every one of
+    them (replicas/gil.py). For a file whose tensors are all of that dtype (CheckedStructure.dtype)."""
     spec = _EXPONENT_BITS.get(dtype)
     if spec is None:
         return None
     as_int, magnitude, exponent = spec
     np_int = {torch.int16: np.int16, torch.int32: np.int32}[as_int]
+    size = np.dtype(np_int).itemsize
     try:
         with open(path, "rb") as f:
             start = 8 + struct.unpack("<Q", f.read(8))[0]
@@ -153,13 +154,28 @@ def data_all_finite(path: Path, dtype: torch.dtype) -> bool | None:
         data = np.memmap(path, dtype=np_int, mode="r", offset=start)
     except (OSError, ValueError, struct.error):  # the file changed since its tensors were read: check those
         return None
-    scratch = np.empty(min(data.shape[0], _FINITE_CHUNK), dtype=np_int)
-    for lo in range(0, data.shape[0], _FINITE_CHUNK):
-        out = scratch[:min(_FINITE_CHUNK, data.shape[0] - lo)]
-        np.bitwise_and(data[lo:lo + out.shape[0]], magnitude, out=out)
-        if int(out.max()) >= exponent:
-            return False
+    ranges = [(0, data.shape[0])] if spans is None else [(lo // size, hi // size) for lo, hi in _merged(spans)]
+    scratch = np.empty(min(max((hi - lo for lo, hi in ranges), default=0), _FINITE_CHUNK), dtype=np_int)
+    for first, end in ranges:
+        if end > data.shape[0]:
+            return None
+        for lo in range(first, end, _FINITE_CHUNK):
+            out = scratch[:min(_FINITE_CHUNK, end - lo)]
+            np.bitwise_and(data[lo:lo + out.shape[0]], magnitude, out=out)
+            if int(out.max()) >= exponent:
+                return False
     return True
+
+
+def _merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges sorted, those that touch or overlap joined (a layer's tensors lie side by side in the file)."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
 
 
 def _tensors(mt: ModuleTensors) -> list[tuple[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,15 +46,21 @@ def read_header(path: Path) -> bytes | None:
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-def uniform_dtype(header: bytes) -> torch.dtype | None:
-    """The one dtype of every tensor the header lists (its data section then holds only elements of it:
-    safetensors leaves no holes), or None where they differ or it is not a float dtype the checks know."""
+def value_layout(header: bytes, modules: dict[str, ModuleKeys]) -> tuple[torch.dtype | None, dict[str, tuple[int, int]]]:
+    """(the one dtype of every tensor the header lists, or None where they differ or it is not a float dtype
+    the checks know; each module's byte range in the data section, from its first tensor's start to its last's
+    end). With one dtype the section holds only elements of it (safetensors leaves no holes), every tensor
+    starting on an element: adapter_checks.data_all_finite reads the section, or a part's ranges, as such."""
     try:
-        entries = [v for k, v in json.loads(header).items() if k != "__metadata__"]
-        names = {entry["dtype"] for entry in entries}
+        entries = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+        names = {entry["dtype"] for entry in entries.values()}
+        spans = {}
+        for name, keys in modules.items():
+            offsets = [entries[k]["data_offsets"] for k in (keys.a, keys.b, keys.bias) if k is not None]
+            spans[name] = (min(int(lo) for lo, _ in offsets), max(int(hi) for _, hi in offsets))
     except (ValueError, TypeError, KeyError, AttributeError):
-        return None
-    return _DTYPES.get(names.pop()) if len(names) == 1 else None
+        return None, {}
+    return (_DTYPES.get(names.pop()) if len(names) == 1 else None), spans
 
 
 @dataclass(frozen=True)
@@ -70,12 +76,14 @@ class ModuleKeys:
 @dataclass(frozen=True)
 class CheckedStructure:
     """An adapter structure with no problem: its modules' keys, its rank (the largest module rank), and the
-    one dtype of every tensor in the file (uniform_dtype; None where they differ), which lets
-    adapter_checks.data_all_finite check a load's values in one pass over the file's data section."""
+    one dtype of every tensor in the file with each module's byte range (value_layout; None where dtypes
+    differ), which let adapter_checks.data_all_finite check a load's values in one pass over the file's data
+    section, or over a part's ranges."""
 
     modules: dict[str, ModuleKeys]
     rank: int
     dtype: torch.dtype | None = None
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # each module's bytes (value_layout)
 
 
 class AdapterStructures:

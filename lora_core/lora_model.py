@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from lora_core.adapter_checks import (ModuleTensors, checked_modules, config_problems, data_all_finite, spec_index,
                                       value_problems)
-from lora_core.adapter_structure import AdapterStructures, CheckedStructure, ModuleKeys, read_header, uniform_dtype
+from lora_core.adapter_structure import AdapterStructures, CheckedStructure, ModuleKeys, read_header, value_layout
 from lora_core.config import LoRAConfig
 from lora_core.errors import AdapterFileMissingError, CorruptAdapterError, UnsafeAdapterFormatError
 from lora_core.layer_weights import LoRALayerWeights
@@ -157,8 +157,10 @@ class LoRAModel:
         known = structures.get(key) if key is not None else None
         if known is not None:
             modules = _read_known(weights_path, known, part)
-            # A whole load checks the file's values in one pass; a part (or a finding) checks tensor by tensor
-            if part is not None or known.dtype is None or data_all_finite(weights_path, known.dtype) is not True:
+            # The values in one pass over the file (or this part's layers); a finding goes tensor by tensor
+            spans = None if part is None else [known.spans.get(name) for name in modules]
+            if (known.dtype is None or None in (spans or ())
+                    or data_all_finite(weights_path, known.dtype, spans) is not True):
                 raise_problems(path, [p for mt in modules.values() for p in value_problems(mt, path)])
             rank = known.rank
         else:
@@ -166,9 +168,9 @@ class LoRAModel:
                                        spec_index(module_specs), max_rank)
             rank = max(mt.a[1].shape[0] for mt in modules.values())
             if key is not None:
-                structures.put(key, CheckedStructure({name: ModuleKeys(mt.a[0], mt.b[0], mt.bias and mt.bias[0],
-                                                                       mt.embedding)
-                                                      for name, mt in modules.items()}, rank, uniform_dtype(header)))
+                keys = {name: ModuleKeys(mt.a[0], mt.b[0], mt.bias and mt.bias[0], mt.embedding)
+                        for name, mt in modules.items()}
+                structures.put(key, CheckedStructure(keys, rank, *value_layout(header, keys)))
         return cls(lora_model_id, rank, _build(modules, helper, device, dtype, copy), peft_helper=helper,
                    path=str(lora_dir))
 
