@@ -14,7 +14,6 @@ into pinned memory in one piece.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from lora_core.load_parts import part_of
 from lora_core.lora_model import LoRAModel
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
 from lora_core.pinned_pool import PinnedBlock, PinnedSlabPool
+from lora_core.slot_copies import SlotCopies
 from lora_core.slot_layout import SlotLayout
 from lora_core.tp import LocalDims, local_dims, local_rank, shard_lora_a, shard_lora_b, shard_lora_bias
 
@@ -172,7 +172,7 @@ class AdapterPreparer:
             slab.index_fill_(0, self.layout.padding, 0)
         for name, (a_all, b_all, bias_all) in regions.items():
             _zero_unwritten(a_all, b_all, bias_all, modules[name][1] if name in modules else [], self.dims[name])
-        copies = _Copies()
+        copies = SlotCopies()
         for name, (_, writes) in modules.items():
             a_all, b_all, bias_all = regions[name]
             for w in writes:
@@ -261,42 +261,3 @@ def _zero_unwritten(a_all: torch.Tensor, b_all: torch.Tensor, bias_all: torch.Te
             if rank_a < a_all.shape[1]:
                 a_all[index, rank_a:].zero_()
         offset += width
-
-
-class _Copies:
-    """dst = src * scale for many small tensors with disjoint dsts, in a few torch calls (an 8B adapter has ~450):
-    each call gives the GIL up and takes it back, and a load on a thread beside the engine's steps may wait for
-    the GIL at every one of them (replicas/gil.py). As LoRALayerWeights.optimize, the product is the exact one
-    rounded once into the slot's dtype. A copy then an in-place multiply by a power of two (alpha = 2r, rsLoRA's
-    16 / sqrt(16), ...) gives that wherever the dtypes match; any other scale, or a change of dtype, multiplies
-    into the slot tensor by tensor (torch's batched multiply rounds the scale to the tensor's dtype first)."""
-
-    def __init__(self) -> None:
-        self._copy: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        self._scale: dict[float, list[torch.Tensor]] = {}
-        self._across: list[tuple[torch.Tensor, torch.Tensor, float]] = []
-
-    def add(self, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
-        if scale != 1.0 and (src.dtype != dst.dtype or math.frexp(scale)[0] != 0.5):
-            self._across.append((dst, src, scale))
-            return
-        self._copy[0].append(dst)
-        self._copy[1].append(src)
-        if scale != 1.0:
-            self._scale.setdefault(scale, []).append(dst)
-
-    def run(self) -> None:
-        batched = hasattr(torch, "_foreach_copy_") and hasattr(torch, "_foreach_mul_")  # private, since torch 2.1
-        if batched and self._copy[0]:
-            torch._foreach_copy_(*self._copy)  # one call: on CPU it runs each tensor's copy_
-        elif self._copy[0]:
-            for dst, src in zip(*self._copy):
-                dst.copy_(src)
-        for scale, dsts in self._scale.items():
-            if batched:
-                torch._foreach_mul_(dsts, scale)
-            else:
-                for dst in dsts:
-                    dst.mul_(scale)
-        for dst, src, scale in self._across:
-            torch.mul(src, scale, out=dst)

@@ -94,9 +94,9 @@ def test_an_image_written_over_another_adapters_bytes_equals_a_fresh_one(monkeyp
                                                   (torch.float32, torch.float32), (torch.float16, torch.float32)])
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per-tensor"])
 def test_batched_copies_round_as_one_scaled_copy_each(src_dtype, dst_dtype, foreach, monkeypatch):
-    """_Copies (a few torch calls for a whole adapter) writes the bits that one torch.mul(src, scale, out=dst) per
+    """SlotCopies (a few torch calls for a whole adapter) writes the bits that one torch.mul(src, scale, out=dst) per
     tensor writes: the product in the source dtype, rounded once into the slot's, into strided views too."""
-    from lora_core.host_adapter import _Copies
+    from lora_core.slot_copies import SlotCopies
 
     if not foreach:  # a torch without the private batched ops
         monkeypatch.delattr(torch, "_foreach_copy_")
@@ -104,7 +104,7 @@ def test_batched_copies_round_as_one_scaled_copy_each(src_dtype, dst_dtype, fore
     srcs = [(torch.randn(shape, generator=gen) * 3).to(src_dtype) for shape in [(5, 7), (3, 4), (6, 2), (1, 9), (2, 5)]]
     scales = [1.0, 2.0, 0.37, 3.0, 0.25]
     batched, reference = torch.zeros(18, 16, dtype=dst_dtype), torch.zeros(18, 16, dtype=dst_dtype)
-    copies, row = _Copies(), 0
+    copies, row = SlotCopies(), 0
     for k, (src, scale) in enumerate(zip(srcs, scales)):  # disjoint strided views, as a slot image's regions
         rows, cols = src.shape
         copies.add(batched[row:row + rows, k:k + cols], src, scale)
