@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         # the engine's own path: AdapterLoads.load_prepared (structures kept, the interval lowered per load)
         # (no switch_interval argument for Python's own, so that this script also runs on trees before it)
         loads = AdapterLoads(manager, cfg, specs, **({"switch_interval": interval_s} if interval_s else {}))
-        return AdapterLoads.threads_for(0), lambda request: loads.load_prepared(request)
+        return AdapterLoads.threads_for(0), loads.load_prepared
 
     procs = ProcessAdapterLoader(1, preparer, expected, cfg, specs, adopt=None)
 
@@ -183,10 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     print("mode          step p50 ms  step p90 ms  x idle  loads/s  ms a load beside Python")
     for mode in modes:
         p50 = pct(times[mode], 0.5)
-        print(f"{mode:13} {p50:12.2f} {pct(times[mode], 0.9):12.2f} {p50 / idle:7.2f} "
-              f"{sum(rates[mode]) / len(rates[mode]):8.1f}  {beside[mode]:10.0f}" if mode in beside else
-              f"{mode:13} {p50:12.2f} {pct(times[mode], 0.9):12.2f} {p50 / idle:7.2f} "
-              f"{sum(rates[mode]) / len(rates[mode]):8.1f}")
+        line = (f"{mode:13} {p50:12.2f} {pct(times[mode], 0.9):12.2f} {p50 / idle:7.2f} "
+                f"{sum(rates[mode]) / len(rates[mode]):8.1f}")
+        print(line + (f"  {beside[mode]:10.0f}" if mode in beside else ""))
 
 
 if __name__ == "__main__":

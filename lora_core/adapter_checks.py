@@ -8,7 +8,6 @@ the file's structure, which lora_core/adapter_structure.py lets a loader check o
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,9 +133,11 @@ def all_finite(t: torch.Tensor) -> bool:
 _FINITE_CHUNK = 1 << 22  # elements per numpy call of data_all_finite: 8 MB of bf16
 
 
-def data_all_finite(path: Path, dtype: torch.dtype, spans: Iterable[tuple[int, int]] | None = None) -> bool | None:
-    """True when no element of the safetensors file's data section, read as ``dtype``, is NaN or Inf (only in
-    ``spans``, byte ranges of the section, where given); None where the bit test does not know the dtype. One
+def data_all_finite(path: Path, data_start: int, dtype: torch.dtype,
+                    spans: Iterable[tuple[int, int]] | None = None) -> bool | None:
+    """True when no element of the safetensors file's data section (from byte ``data_start``: 8 + the header's
+    length), read as ``dtype``, is NaN or Inf (only in ``spans``, byte ranges of the section, where given);
+    None where the bit test does not know the dtype or the file no longer holds the ranges. One
     pass in a few numpy calls per span, where all_finite takes several per tensor: each call gives the GIL up
     and takes it back, and a load on a thread beside the engine's steps may wait for the GIL at every one of
     them (replicas/gil.py). For a file whose tensors are all of that dtype (CheckedStructure.dtype)."""
@@ -147,12 +148,10 @@ def data_all_finite(path: Path, dtype: torch.dtype, spans: Iterable[tuple[int, i
     np_int = {torch.int16: np.int16, torch.int32: np.int32}[as_int]
     size = np.dtype(np_int).itemsize
     try:
-        with open(path, "rb") as f:
-            start = 8 + struct.unpack("<Q", f.read(8))[0]
-        if path.stat().st_size <= start:
+        if path.stat().st_size <= data_start:
             return True
-        data = np.memmap(path, dtype=np_int, mode="r", offset=start)
-    except (OSError, ValueError, struct.error):  # the file changed since its tensors were read: check those
+        data = np.memmap(path, dtype=np_int, mode="r", offset=data_start)
+    except (OSError, ValueError):  # the file changed since its tensors were read: check those
         return None
     ranges = [(0, data.shape[0])] if spans is None else [(lo // size, hi // size) for lo, hi in _merged(spans)]
     scratch = np.empty(min(max((hi - lo for lo, hi in ranges), default=0), _FINITE_CHUNK), dtype=np_int)

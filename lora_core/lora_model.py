@@ -160,7 +160,7 @@ class LoRAModel:
             # The values in one pass over the file (or this part's layers); a finding goes tensor by tensor
             spans = None if part is None else [known.spans.get(name) for name in modules]
             if (known.dtype is None or None in (spans or ())
-                    or data_all_finite(weights_path, known.dtype, spans) is not True):
+                    or data_all_finite(weights_path, 8 + len(header), known.dtype, spans) is not True):
                 raise_problems(path, [p for mt in modules.values() for p in value_problems(mt, path)])
             rank = known.rank
         else:

@@ -19,6 +19,10 @@ from lora_core.lora_model import WEIGHTS_NAME, LoRAModel
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
+def _finite(path, dtype, spans=None):
+    return data_all_finite(path, 8 + len(read_header(path)), dtype, spans)
+
+
 def _file(tmp_path, tensors: dict[str, torch.Tensor]):
     path = tmp_path / f"{len(list(tmp_path.iterdir()))}.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
@@ -31,12 +35,12 @@ def test_every_position_of_every_tensor_is_read(tmp_path, monkeypatch, dtype, ba
     monkeypatch.setattr(adapter_checks, "_FINITE_CHUNK", 7)  # chunk edges fall inside tensors
     shapes = {"a": (3, 5), "b": (4, 1), "c": (2, 9)}
     clean = {k: torch.randn(s).to(dtype) for k, s in shapes.items()}
-    assert data_all_finite(_file(tmp_path, clean), dtype) is True
+    assert _finite(_file(tmp_path, clean), dtype) is True
     for key, shape in shapes.items():
         for flat in (0, shape[0] * shape[1] // 2, shape[0] * shape[1] - 1):
             tensors = {k: t.clone() for k, t in clean.items()}
             tensors[key].view(-1)[flat] = bad
-            assert data_all_finite(_file(tmp_path, tensors), dtype) is False, (key, flat)
+            assert _finite(_file(tmp_path, tensors), dtype) is False, (key, flat)
 
 
 def test_largest_finite_values_and_odd_header_lengths_pass(tmp_path):
@@ -44,7 +48,7 @@ def test_largest_finite_values_and_odd_header_lengths_pass(tmp_path):
         info = torch.finfo(dtype)
         for pad in range(4):  # key lengths move the data section's start to every offset mod 4
             tensors = {"k" * (pad + 1): torch.tensor([info.max, -info.max, info.tiny, -0.0, 0.0], dtype=dtype)}
-            assert data_all_finite(_file(tmp_path, tensors), dtype) is True
+            assert _finite(_file(tmp_path, tensors), dtype) is True
 
 
 def test_only_files_of_one_known_float_dtype_get_one_pass(tmp_path):
@@ -55,7 +59,7 @@ def test_only_files_of_one_known_float_dtype_get_one_pass(tmp_path):
     assert value_layout(read_header(one), module) == (torch.bfloat16, {"m": (0, 10)})
     assert value_layout(read_header(mixed), module)[0] is None
     assert value_layout(read_header(wide), {"m": ModuleKeys("a", "a", None, False)})[0] is None
-    assert data_all_finite(wide, torch.float64) is None
+    assert _finite(wide, torch.float64) is None
     assert value_layout(b"not json", module) == (None, {})
     assert value_layout(read_header(one), {"m": ModuleKeys("a", "missing", None, False)}) == (None, {})
 
@@ -66,11 +70,11 @@ def test_spans_read_only_their_bytes(tmp_path, monkeypatch):
     tensors = {k: torch.randn(4, 3).to(torch.bfloat16) for k in ("a", "b", "c", "d")}  # 24 bytes each, in key order
     tensors["c"][1, 2] = float("nan")
     path = _file(tmp_path, tensors)
-    assert data_all_finite(path, torch.bfloat16) is False
-    assert data_all_finite(path, torch.bfloat16, [(0, 24), (24, 48), (72, 96)]) is True  # a, b (joined), d
-    assert data_all_finite(path, torch.bfloat16, [(72, 96), (48, 72)]) is False  # c, out of order
-    assert data_all_finite(path, torch.bfloat16, []) is True
-    assert data_all_finite(path, torch.bfloat16, [(0, 4096)]) is None  # past the file: the caller checks per tensor
+    assert _finite(path, torch.bfloat16) is False
+    assert _finite(path, torch.bfloat16, [(0, 24), (24, 48), (72, 96)]) is True  # a, b (joined), d
+    assert _finite(path, torch.bfloat16, [(72, 96), (48, 72)]) is False  # c, out of order
+    assert _finite(path, torch.bfloat16, []) is True
+    assert _finite(path, torch.bfloat16, [(0, 4096)]) is None  # past the file: the caller checks per tensor
     assert adapter_checks._merged([(48, 72), (0, 24), (24, 48), (10, 20)]) == [(0, 72)]
 
 
