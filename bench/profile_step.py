@@ -49,7 +49,8 @@ def main(argv=None) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--adapters", type=int, default=1,
                    help="adapters the requests cycle through (1: one for all; e.g. 200: distinct, with loads)")
-    p.add_argument("--load-processes", type=int, default=0, help="EngineArgs.lora_load_processes")
+    p.add_argument("--load-processes", type=int, default=None,
+                   help="EngineArgs.lora_load_processes (default: the engine's, 4 on CUDA hosts)")
     p.add_argument("--fused-max-adapters", type=int, default=None,
                    help="EngineArgs.lora_fused_max_adapters (one launch per LoRA site; default: the engine's)")
     p.add_argument("--pending-min-adapters", type=int, default=5,

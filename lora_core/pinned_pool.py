@@ -61,8 +61,9 @@ class PinnedSlabPool:
         nbytes = self.block_bytes * num_blocks
         self.shared = shared and _shm_room(nbytes)
         if shared and not self.shared:
-            _log.warning("no room in %s for the %.1f GiB adapter host pool: loader processes hand adapters over "
-                         "through a slab of their own each (slower loads)", SHM_DIR, nbytes / 2**30)
+            _log.warning("no room in %s for the %.1f GiB adapter host pool: it stays private, so load processes "
+                         "(lora_load_processes > 0) hand each adapter over through a slab of its own (slower loads); "
+                         "by default loads then run on threads", SHM_DIR, nbytes / 2**30)
         # Pageable memory registered with the driver, not torch's pinned allocator: that one rounds
         # every allocation up to a power of two (up to 2x the memory for one large region).
         self._region = _shared_bytes(nbytes) if self.shared else torch.empty(nbytes, dtype=torch.uint8)

@@ -11,6 +11,7 @@ interpreter's switch interval lowered (replicas/gil.py).
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -21,6 +22,7 @@ from lora_core.adapter_structure import AdapterStructures
 from lora_core.lora_model import LoRAModel
 from lora_core.model_manager import LoRAModelManager
 from lora_core.module_spec import LoRAModuleSpec
+from lora_core.pinned_pool import PinnedSlabPool
 from lora_core.request import LoRARequest
 from replicas.gil import LOADER_SWITCH_INTERVAL
 from replicas.lora_load_process import ProcessAdapterLoader
@@ -30,6 +32,33 @@ from replicas.lora_load_process import ProcessAdapterLoader
 # host (bench/adapter_load.py, 8B shape, rank 16) read + prepare ran 6.2 adapters/s on one thread with the
 # default pool, 13.2 with one intra-op thread, 14.4 on two such threads, and slower on 4 or 8.
 _LOADER_THREADS = 2
+
+# Load processes where EngineArgs.lora_load_processes is None: on CUDA hosts, 4 while the cores allow it (one per
+# four usable cores). Loads on threads share the GIL with the engine's host loop: on an H200 host the 8B engine
+# ran distinct rank-16 traffic at 0.64 x base on threads and 0.80 with 4 processes, TTFT p50 211 against 77 ms
+# (bench/RESULTS.md, twenty-third session). On CPU the engine's own steps want the cores, hence threads there.
+DEFAULT_LOAD_PROCESSES = 4
+
+
+def load_processes_for(requested: int | None, device: torch.device) -> int:
+    """EngineArgs.lora_load_processes resolved: None is DEFAULT_LOAD_PROCESSES on CUDA (fewer on hosts with under
+    16 usable cores, none under 4) and 0 (threads) elsewhere. Without room for a shared host pool the engine
+    falls back to threads (ModelRunner): a load process would then hand each adapter over through a slab of its
+    own in the same /dev/shm."""
+    if requested is not None:
+        return requested
+    if device.type != "cuda":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(DEFAULT_LOAD_PROCESSES, cores // 4)
+
+
+def load_processes_with_pool(requested: int | None, processes: int, pool: PinnedSlabPool | None) -> int:
+    """The processes a rank runs once its host pool exists: by default (requested None) only where they write
+    into a shared pool, else threads; a requested count as asked."""
+    if requested is None and (pool is None or not pool.shared):
+        return 0
+    return processes
 
 
 def _init_loader_thread() -> None:

@@ -36,9 +36,11 @@ class EngineArgs:
     # from whole-step graphs and steps with prompt tokens piece by piece between their attentions;
     # "full_decode_only" runs the latter eagerly; "none" is enforce_eager.
     cudagraph_mode: str = "full_and_piecewise"
-    # Opt-in: adapter loads in this many worker processes instead of threads, so they share no GIL with
-    # the engine (replicas/lora_load_process.py; needs an `if __name__ == "__main__":` guard).
-    lora_load_processes: int = 0
+    # Adapter loads in this many worker processes instead of two threads, so they share no GIL with the
+    # engine (replicas/lora_load_process.py; spawned without re-running your script: replicas/spawn.py).
+    # None: 4 on CUDA hosts with 16+ cores (fewer with fewer) where /dev/shm has room for the host pool,
+    # else 0 (threads) (replicas/adapter_loads.load_processes_for).
+    lora_load_processes: int | None = None
     # While adapter loads run on loader threads (lora_load_processes 0), the interpreter's GIL switch interval
     # is at most this many seconds (sys.setswitchinterval; Python's own is 5 ms): how long a step's host work
     # may wait for a loader's Python to let go of the GIL (replicas/gil.py). 0: leave it as it is.
@@ -82,6 +84,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
+        if self.lora_load_processes is not None and self.lora_load_processes < 0:
+            raise ValueError(f"lora_load_processes must be >= 0 (0: loads on threads), got {self.lora_load_processes}")
         if self.lora_load_switch_interval < 0:
             raise ValueError(f"lora_load_switch_interval must be >= 0 seconds (0: leave Python's), "
                              f"got {self.lora_load_switch_interval}")

@@ -38,5 +38,9 @@ class RequestAbortedError(EngineError):
     """The request was aborted (by the client or the engine) before it finished."""
 
 
+class LoadWorkerLostError(EngineError, RuntimeError):
+    """The worker process loading an adapter died, and died again on a fresh pool (lora_load_processes)."""
+
+
 class EngineDeadError(EngineError, RuntimeError):
     """The engine loop or a TP worker died; no request can be served any more."""

@@ -1,7 +1,8 @@
 """Executors: where the model runner(s) of one replica live.
 
 UniProcExecutor runs the single rank in this process. MultiprocExecutor runs
-rank 0 here and ranks 1..tp-1 in spawned worker processes joined by
+rank 0 here and ranks 1..tp-1 in spawned worker processes (which do not run
+the user's script again: replicas/spawn.py) joined by
 torch.distributed (gloo on CPU, NCCL on GPU) on a free loopback port; every
 call is sent to all ranks and run by all, so their collectives pair up. The
 cluster package adds a Ray executor with the same interface.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing as mp
+import time
 import traceback
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 
 from replicas.model_runner import ModelRunner, RunnerConfig, StepInput
 from replicas.parallel import TEARDOWN_TIMEOUT_S, backend_for, destroy_distributed, free_port, init_distributed
+from replicas.spawn import WORKER_CONTEXT
 
 
 class UniProcExecutor:
@@ -41,6 +44,9 @@ class UniProcExecutor:
 
 
 def _worker_main(rank: int, world: int, init_method: str, cfg: RunnerConfig, conn) -> None:
+    # Daemonic, so that the parent's exit ends it; a daemonic process may not start children, but this rank
+    # starts its own adapter-load workers (lora_load_processes), which end with it (their queues close).
+    mp.current_process().daemon = False
     try:
         if cfg.device.startswith("cuda"):
             cfg.device = f"cuda:{rank % torch.cuda.device_count()}"
@@ -61,6 +67,10 @@ def _worker_main(rank: int, world: int, init_method: str, cfg: RunnerConfig, con
             conn.send(("error", exc))
     runner.close()
     destroy_distributed()
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    return type(exc) is RuntimeError or isinstance(exc, getattr(torch.distributed, "DistError", ()))
 
 
 class WorkerError(RuntimeError):
@@ -108,7 +118,7 @@ class Rank0Executor:
 
 class MultiprocExecutor(Rank0Executor):
     def __init__(self, cfg: RunnerConfig, tp_size: int) -> None:
-        ctx_mp = mp.get_context("spawn")
+        ctx_mp = WORKER_CONTEXT  # spawned, without the user's __main__ (replicas/spawn.py)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._conns, self._procs = [], []
         for rank in range(1, tp_size):
@@ -122,16 +132,35 @@ class MultiprocExecutor(Rank0Executor):
         self.runner = None
         try:
             self.runner = ModelRunner(cfg, init_distributed(0, tp_size, init_method, backend_for(cfg.device)))
-        except BaseException:
+        except BaseException as exc:
             # e.g. a setting the runner refuses: the workers (failed or waiting) and this process's
-            # process group must go, or the next engine in this process finds a stale group
+            # process group must go, or the next engine in this process finds a stale group. Where a worker
+            # failed first, rank 0 only saw its peer vanish from a collective (a bare RuntimeError from gloo, a
+            # DistError from NCCL): say why it went. Rank 0's own errors (a refused setting) stand as they are.
+            reason = self._worker_failure() if _peer_lost(exc) else None
             self.shutdown()
+            if reason is not None:
+                raise WorkerError(f"tensor-parallel worker failed to start: {reason}") from exc
             raise
         for conn in self._conns:
             status, detail = conn.recv()
             if status != "ok":
                 self.shutdown()
                 raise WorkerError(f"tensor-parallel worker failed to start: {detail}")
+
+    def _worker_failure(self, wait_s: float = 1.0) -> str | None:
+        """A worker's start-up error, if one sent it. A failed worker sends its error before it exits, so before
+        rank 0 can see it gone: wait_s (in all) is only slack for the pipe."""
+        deadline = time.monotonic() + wait_s
+        for conn in self._conns:
+            try:
+                if conn.poll(max(0.0, deadline - time.monotonic())):
+                    status, detail = conn.recv()
+                    if status == "error":
+                        return detail
+            except (EOFError, OSError):
+                continue
+        return None
 
     def _send(self, method: str, args: tuple) -> None:
         for conn in self._conns:

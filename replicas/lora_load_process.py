@@ -1,4 +1,4 @@
-"""Adapter loads in worker processes (opt-in: EngineArgs.lora_load_processes > 0).
+"""Adapter loads in worker processes (EngineArgs.lora_load_processes > 0; by default on CUDA hosts).
 
 A load on a thread of the engine's process holds the GIL for tens of
 milliseconds per adapter (hundreds of small tensors to read, check and lay
@@ -23,17 +23,16 @@ per adapter structure in each worker (lora_core/adapter_structure.py), so the sp
 (Splitting only over idle workers ran a load that arrived under another's parts whole, on one worker, after
 them: p50 of the benchmark's adapter wait 63 ms against 33 for a load alone; bench/RESULTS.md.)
 
-Worker processes are spawned, so a script that builds an engine with this on
-must guard its entry point with ``if __name__ == "__main__":`` (as for tensor
-parallelism); hence opt-in for LLM() users, and on in deploy/config.gpu.yaml
-(a Serve replica is a Ray worker, whose entry point is guarded).
+Worker processes are spawned without the user's ``__main__`` (replicas/spawn.py), so a script needs no
+``if __name__ == "__main__":`` guard for them.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import threading
 from concurrent.futures import ProcessPoolExecutor, wait
-from typing import Callable
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable, TypeVar
 
 import torch
 import torch.multiprocessing  # noqa: F401  (tensors cross the process boundary in shared memory)
@@ -45,7 +44,10 @@ from lora_core.lora_model import LoRAModel
 from lora_core.module_spec import LoRAModuleSpec
 from lora_core.pinned_pool import PinnedSlabPool
 from lora_core.request import LoRARequest
+from replicas.errors import LoadWorkerLostError
+from replicas.spawn import WORKER_CONTEXT
 
+_T = TypeVar("_T")
 _worker: dict = {}  # this worker process's preparer and checks, set once by _init
 
 
@@ -83,7 +85,11 @@ def _ready() -> bool:
 
 
 class ProcessAdapterLoader:
-    """load(request) -> (rank, HostAdapter) from a pool of worker processes; typed errors cross intact."""
+    """load(request) -> (rank, HostAdapter) from a pool of worker processes; typed errors cross intact.
+
+    A worker that dies (killed for memory, a crash in a native library) breaks the whole pool: the loads in
+    flight then start again once on a fresh pool, and a load whose worker dies twice fails with
+    LoadWorkerLostError, for its requests only; later loads get a fresh pool."""
 
     def __init__(self, workers: int, preparer: AdapterPreparer, expected: list[str], lora_config: LoRAConfig,
                  specs: list[LoRAModuleSpec], adopt: Callable[[HostAdapter], HostAdapter] | None,
@@ -95,13 +101,40 @@ class ProcessAdapterLoader:
         self._host_pool = host_pool if host_pool is not None and host_pool.shared else None
         region = self._host_pool.region if self._host_pool is not None else None
         block_bytes = self._host_pool.block_bytes if self._host_pool is not None else 0
-        self._pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init,
-                                         initargs=(preparer, expected, lora_config, specs, region, block_bytes))
+        self._initargs = (preparer, expected, lora_config, specs, region, block_bytes)
         self._preparer = preparer
         self._adopt = adopt
         self._workers = workers
-        for _ in range(workers):  # start the workers now: importing torch there takes seconds
-            self._pool.submit(_ready)
+        self._lock = threading.Lock()  # loader threads replace a broken pool once between them
+        self._pool = self._start_pool()
+        self.pools_started = 1
+
+    def _start_pool(self) -> ProcessPoolExecutor:
+        pool = ProcessPoolExecutor(self._workers, mp_context=WORKER_CONTEXT, initializer=_init,
+                                   initargs=self._initargs)
+        for _ in range(self._workers):  # start the workers now: importing torch there takes seconds
+            pool.submit(_ready)
+        return pool
+
+    def _replace(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is broken:  # else another loader thread replaced it already
+                broken.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._start_pool()
+                self.pools_started += 1
+
+    def _twice(self, load: Callable[[ProcessPoolExecutor], _T], request: LoRARequest) -> _T:
+        """load(pool), once more on a fresh pool if a worker died under it."""
+        for attempt in range(2):
+            pool = self._pool
+            try:
+                return load(pool)
+            except BrokenProcessPool as exc:
+                self._replace(pool)
+                if attempt:
+                    raise LoadWorkerLostError(f"the worker process loading adapter {request.lora_name!r} "
+                                              f"({request.lora_path}) died twice") from exc
+        raise AssertionError("unreachable")
 
     def load(self, request: LoRARequest) -> tuple[int, HostAdapter]:
         """(rank, the adapter in this process's host memory): in a block of the shared pool when one is free,
@@ -111,25 +144,29 @@ class ProcessAdapterLoader:
         if block is None:
             rank, shared = self.load_shared(request)
             return rank, self._adopt(shared) if self._adopt is not None else shared
+        try:
+            rank = self._twice(lambda pool: self._load_into(pool, request, block.index), request)
+        except BaseException:
+            self._host_pool.release(block)  # a bad adapter (or a lost worker) leaves the block free
+            raise
+        return rank, self._preparer.in_block(request.lora_int_id, rank, block, self._host_pool)
+
+    def _load_into(self, pool: ProcessPoolExecutor, request: LoRARequest, block_index: int) -> int:
         parts = self._workers
         futures = []
         try:
             for k in range(parts):
-                futures.append(self._pool.submit(_load_into, request, block.index, (k, parts) if parts > 1 else None))
+                futures.append(pool.submit(_load_into, request, block_index, (k, parts) if parts > 1 else None))
+        finally:
             wait(futures)  # every part has stopped writing the block before it may go back to the pool
-            failed = next((f.exception() for f in futures if f.exception() is not None), None)
-            if failed is not None:
-                raise failed
-        except BaseException:
-            wait(futures)
-            self._host_pool.release(block)  # a bad adapter (or a lost worker) leaves the block free
-            raise
-        rank = futures[0].result()
-        return rank, self._preparer.in_block(request.lora_int_id, rank, block, self._host_pool)
+        failed = next((f.exception() for f in futures if f.exception() is not None), None)
+        if failed is not None:
+            raise failed
+        return futures[0].result()
 
     def load_shared(self, request: LoRARequest) -> tuple[int, HostAdapter]:
         """load()'s slab path, without the adoption: the adapter in a shared-memory slab the worker made for it."""
-        return self._pool.submit(_load, request).result()
+        return self._twice(lambda pool: pool.submit(_load, request).result(), request)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -24,7 +24,7 @@ from lora_core.request import LoRARequest
 from lora_core.stacked_a import max_idle_slots
 import torch.distributed as dist
 
-from replicas.adapter_loads import AdapterLoads
+from replicas.adapter_loads import AdapterLoads, load_processes_for, load_processes_with_pool
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.lora_layers import (add_lora, fused_max_adapters, lora_module_specs, pending_max_tokens,
@@ -78,7 +78,7 @@ class RunnerConfig:
     # Steps with prompt tokens: replayed from CUDA graphs piece by piece (replicas/piecewise_graphs.py)
     # on GPU; False runs them eagerly (decode steps keep their graphs).
     piecewise_graphs: bool = True
-    lora_load_processes: int = 0  # > 0: adapter loads in this many worker processes (lora_load_process.py)
+    lora_load_processes: int | None = None  # > 0: loads in worker processes (lora_load_process.py); None: 4 on CUDA
     lora_load_switch_interval: float = 2e-4  # GIL switch interval while loads run on threads (replicas/gil.py)
     lora_host_pool: bool = True  # host-tier adapters in blocks pinned at start-up (lora_core/pinned_pool.py)
     lora_merge_steps: int | None = None  # one adapter alone this long runs merged (lora_merge.py); None: 8 on CUDA
@@ -132,7 +132,8 @@ class ModelRunner:
                                             self.model_config.dtype)
         stacked = stack_lora_weights(self.model, specs, cfg.lora_config) if stacked_tokens else {}
         # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
-        blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(cfg.lora_load_processes) + 1
+        processes = load_processes_for(cfg.lora_load_processes, self.device)
+        blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(processes) + 1
         # Pinned memory is never paged out: the TP ranks' pools (one host) take at most a quarter of it.
         host = physical_memory_bytes()
         self.lora_manager = LoRAModelManager(specs, cfg.lora_config, self.device, self.model_config.dtype,
@@ -140,7 +141,7 @@ class ModelRunner:
                                              host_pool_blocks=blocks if cfg.lora_host_pool else 0,
                                              host_pool_max_bytes=host // 4 // self.ctx.tp_size if host else None,
                                              stacked_a={name: s.a_rows for name, s in stacked.items()} or None,
-                                             host_pool_shared=cfg.lora_load_processes > 0,
+                                             host_pool_shared=processes > 0,
                                              compact_slots=bool(stacked) and cfg.lora_compact_slots)
         self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
                                     max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens,
@@ -154,7 +155,8 @@ class ModelRunner:
         add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, stacked)
         # None where merging is off; a merge's undo lives in the memory the KV budget leaves (lora_merge.py)
         self.merger = merger_for(self.model, self.lora_manager, cfg.lora_merge_steps, self.ctx, self.device)
-        self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, cfg.lora_load_processes,
+        processes = load_processes_with_pool(cfg.lora_load_processes, processes, self.lora_manager.host_pool)
+        self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, processes,
                                   pin=self.device.type == "cuda", switch_interval=cfg.lora_load_switch_interval)
 
     def _num_kv_blocks(self) -> int:

@@ -67,3 +67,19 @@ def test_multiproc_executor_raises_a_workers_error_and_keeps_serving(tiny_checkp
         assert ex.call("list_loras") == []  # the pipes are still in step
     finally:
         ex.shutdown()
+
+
+def test_a_workers_start_up_error_is_read_from_its_pipe():
+    """Where rank 0 only saw a peer vanish from a collective, the worker's own error says why it went."""
+    import multiprocessing
+
+    ex = MultiprocExecutor.__new__(MultiprocExecutor)
+    quiet, quiet_end = multiprocessing.Pipe()
+    failed, failed_end = multiprocessing.Pipe()
+    ex._conns = [quiet, failed]
+    assert ex._worker_failure(wait_s=0.05) is None  # nothing sent: no reason, after the wait
+    failed_end.send(("error", "AssertionError: daemonic processes are not allowed to have children"))
+    assert "daemonic" in ex._worker_failure(wait_s=0.05)
+    quiet_end.close()  # a worker gone without a word is skipped
+    failed_end.send(("error", "boom"))
+    assert ex._worker_failure(wait_s=0.05) == "boom"
