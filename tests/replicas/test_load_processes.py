@@ -90,3 +90,21 @@ def test_a_load_whose_worker_dies_twice_fails_its_requests_only(demo, loras, tmp
         assert loader.pools_started == 3
     finally:
         llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA default (run on the GPU host: bench/RESULTS.md)")
+def test_the_default_engine_on_a_cuda_host_loads_in_processes(demo, loras):
+    """On CUDA, with the cores and /dev/shm room, adapters load in worker processes writing into the shared
+    pinned pool; the tokens equal those of loads on threads."""
+    kwargs = dict(_KW, device="cuda")
+    sql = loras["demo-sql"]
+    want = LLM(str(demo.model_dir), lora_load_processes=0, **kwargs).generate(["SELECT"], _greedy(), [sql])
+    llm = LLM(str(demo.model_dir), **kwargs)
+    try:
+        runner = llm.engine.executor.runner
+        assert runner.loads.process_loader is not None and runner.lora_manager.host_pool.shared
+        assert len(_workers()) == load_processes_for(None, torch.device("cuda")) > 0
+        got = llm.generate(["SELECT"], _greedy(), [sql])
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
