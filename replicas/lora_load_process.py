@@ -104,15 +104,15 @@ class ProcessAdapterLoader:
         self._initargs = (preparer, expected, lora_config, specs, region, block_bytes)
         self._preparer = preparer
         self._adopt = adopt
-        self._workers = workers
+        self.workers = workers
         self._lock = threading.Lock()  # loader threads replace a broken pool once between them
         self._pool = self._start_pool()
         self.pools_started = 1
 
     def _start_pool(self) -> ProcessPoolExecutor:
-        pool = ProcessPoolExecutor(self._workers, mp_context=WORKER_CONTEXT, initializer=_init,
+        pool = ProcessPoolExecutor(self.workers, mp_context=WORKER_CONTEXT, initializer=_init,
                                    initargs=self._initargs)
-        for _ in range(self._workers):  # start the workers now: importing torch there takes seconds
+        for _ in range(self.workers):  # start the workers now: importing torch there takes seconds
             pool.submit(_ready)
         return pool
 
@@ -152,7 +152,7 @@ class ProcessAdapterLoader:
         return rank, self._preparer.in_block(request.lora_int_id, rank, block, self._host_pool)
 
     def _load_into(self, pool: ProcessPoolExecutor, request: LoRARequest, block_index: int) -> int:
-        parts = self._workers
+        parts = self.workers
         futures = []
         try:
             for k in range(parts):

@@ -103,7 +103,7 @@ def test_the_default_engine_on_a_cuda_host_loads_in_processes(demo, loras):
     try:
         runner = llm.engine.executor.runner
         assert runner.loads.process_loader is not None and runner.lora_manager.host_pool.shared
-        assert len(_workers()) == load_processes_for(None, torch.device("cuda")) > 0
+        assert runner.loads.process_loader.workers == load_processes_for(None, torch.device("cuda")) > 0
         got = llm.generate(["SELECT"], _greedy(), [sql])
         assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     finally:
