@@ -17,8 +17,9 @@ A shared pool (shared=True) lays its region in shared memory, so that a loader p
 it. Otherwise each load went through a slab the worker put in shared memory for that adapter, whose
 fresh pages cost more than the load itself: on an H200 host a rank-16 load (84 MB) took 132 ms in a
 worker against 54 ms on a thread, rank 64 (336 MB) 504 against 122 (bench/adapter_load.py, RESULTS.md
-twelfth session). Where /dev/shm has no room for the region the pool stays private (``shared`` False)
-and the loader falls back to that path.
+twelfth session). The region is a SharedRegion (lora_core/shared_region.py): on Linux an anonymous memory
+file, whatever the size of /dev/shm; elsewhere, where /dev/shm has no room for it, the pool stays private
+(``shared`` False) and the loader falls back to that path.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ import weakref
 
 import torch
 
+from lora_core.shared_region import SHM_DIR, SharedRegion, room_for
+
 _log = logging.getLogger(__name__)
-# Where torch's shared memory (file-descriptor strategy) lives on Linux. A region larger than its free space is
-# still created, but touching its pages past that space kills the process (SIGBUS): so the room is checked first.
-SHM_DIR = "/dev/shm"
 
 
 class PinnedBlock:
@@ -59,19 +59,20 @@ class PinnedSlabPool:
         self.block_bytes = -(-block_bytes // 64) * 64  # every block starts 64-byte aligned, as a slab does
         self.num_blocks = num_blocks
         nbytes = self.block_bytes * num_blocks
-        self.shared = shared and _shm_room(nbytes)
+        self.shared = shared and room_for(nbytes)
         if shared and not self.shared:
             _log.warning("no room in %s for the %.1f GiB adapter host pool: it stays private, so load processes "
                          "(lora_load_processes > 0) hand each adapter over through a slab of its own (slower loads); "
                          "by default loads then run on threads", SHM_DIR, nbytes / 2**30)
         # Pageable memory registered with the driver, not torch's pinned allocator: that one rounds
         # every allocation up to a power of two (up to 2x the memory for one large region).
-        self._region = _shared_bytes(nbytes) if self.shared else torch.empty(nbytes, dtype=torch.uint8)
+        self.shared_region = SharedRegion(nbytes) if self.shared else None  # what a loader process maps
+        self._region = self.shared_region.tensor if self.shared else torch.empty(nbytes, dtype=torch.uint8)
         if pin:
             _register(self._region)
             weakref.finalize(self, _unregister, self._region)
         elif self.shared:
-            self._region.zero_()  # take the shared pages now, while /dev/shm has the room (pinning does it too)
+            self._region.zero_()  # take the shared pages now, while there is room (pinning does it too)
         self._blocks = [PinnedBlock(i, self._region[i * self.block_bytes:(i + 1) * self.block_bytes])
                         for i in range(num_blocks)]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
@@ -84,7 +85,8 @@ class PinnedSlabPool:
 
     @property
     def region(self) -> torch.Tensor:
-        """Every block's bytes, block i at [i * block_bytes, (i + 1) * block_bytes): what a loader process maps."""
+        """Every block's bytes, block i at [i * block_bytes, (i + 1) * block_bytes) (shared_region's tensor
+        where the pool is shared)."""
         return self._region
 
     def allocate(self, nbytes: int) -> PinnedBlock | None:
@@ -122,20 +124,6 @@ def physical_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def _shm_room(nbytes: int) -> bool:
-    try:
-        stats = os.statvfs(SHM_DIR)
-    except OSError:
-        return False
-    return stats.f_bavail * stats.f_frsize >= nbytes
-
-
-def _shared_bytes(nbytes: int) -> torch.Tensor:
-    # A new shared storage, not torch.empty(...).share_memory_(): that one copies the region into shared
-    # memory (a second pass over every page).
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
 
 def _register(region: torch.Tensor) -> None:

@@ -42,9 +42,9 @@ DEFAULT_LOAD_PROCESSES = 4
 
 def load_processes_for(requested: int | None, device: torch.device) -> int:
     """EngineArgs.lora_load_processes resolved: None is DEFAULT_LOAD_PROCESSES on CUDA (fewer on hosts with under
-    16 usable cores, none under 4) and 0 (threads) elsewhere. Without room for a shared host pool the engine
-    falls back to threads (ModelRunner): a load process would then hand each adapter over through a slab of its
-    own in the same /dev/shm."""
+    16 usable cores, none under 4) and 0 (threads) elsewhere. Without a shared host pool (lora_host_pool off, or
+    no memfd and no room in /dev/shm: lora_core/shared_region.py) the engine falls back to threads
+    (load_processes_with_pool): a load process would then hand each adapter over through a slab of its own."""
     if requested is not None:
         return requested
     if device.type != "cuda":

@@ -38,8 +38,8 @@ class EngineArgs:
     cudagraph_mode: str = "full_and_piecewise"
     # Adapter loads in this many worker processes instead of two threads, so they share no GIL with the
     # engine (replicas/lora_load_process.py; spawned without re-running your script: replicas/spawn.py).
-    # None: 4 on CUDA hosts with 16+ cores (fewer with fewer) where /dev/shm has room for the host pool,
-    # else 0 (threads) (replicas/adapter_loads.load_processes_for).
+    # None: 4 on CUDA hosts with 16+ cores (fewer with fewer) where the host pool can be shared (on Linux
+    # always: lora_core/shared_region.py), else 0 (threads) (replicas/adapter_loads.load_processes_for).
     lora_load_processes: int | None = None
     # While adapter loads run on loader threads (lora_load_processes 0), the interpreter's GIL switch interval
     # is at most this many seconds (sys.setswitchinterval; Python's own is 5 ms): how long a step's host work

@@ -43,6 +43,7 @@ from lora_core.adapter_structure import AdapterStructures
 from lora_core.lora_model import LoRAModel
 from lora_core.module_spec import LoRAModuleSpec
 from lora_core.pinned_pool import PinnedSlabPool
+from lora_core.shared_region import SharedRegion
 from lora_core.request import LoRARequest
 from replicas.errors import LoadWorkerLostError
 from replicas.spawn import WORKER_CONTEXT
@@ -52,9 +53,10 @@ _worker: dict = {}  # this worker process's preparer and checks, set once by _in
 
 
 def _init(preparer: AdapterPreparer, expected: list[str], lora_config: LoRAConfig, specs: list[LoRAModuleSpec],
-          region: torch.Tensor | None, block_bytes: int) -> None:
+          region: SharedRegion | None, block_bytes: int) -> None:
     torch.set_num_threads(1)
-    _worker.update(preparer=preparer, expected=expected, lora_config=lora_config, specs=specs, region=region,
+    _worker.update(preparer=preparer, expected=expected, lora_config=lora_config, specs=specs,
+                   region=region.tensor if region is not None else None,
                    block_bytes=block_bytes, structures=AdapterStructures())
 
 
@@ -99,7 +101,7 @@ class ProcessAdapterLoader:
         host_pool: the manager's pool; where it is shared, adapters are written into its blocks (adopt is
         then only for loads that find no free block)."""
         self._host_pool = host_pool if host_pool is not None and host_pool.shared else None
-        region = self._host_pool.region if self._host_pool is not None else None
+        region = self._host_pool.shared_region if self._host_pool is not None else None
         block_bytes = self._host_pool.block_bytes if self._host_pool is not None else 0
         self._initargs = (preparer, expected, lora_config, specs, region, block_bytes)
         self._preparer = preparer

@@ -4,6 +4,7 @@ without stale bytes, a fallback when full; on a GPU, a block is not reused under
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -40,18 +41,25 @@ def test_blocks_are_handed_out_and_returned():
 
 
 def test_a_shared_pool_lives_in_shared_memory_or_says_it_does_not(monkeypatch):
-    """shared=True puts the region in shared memory (loader processes write into its blocks); with no room
-    in /dev/shm the pool stays private and says so, so the loaders take their slower path."""
-    from lora_core import pinned_pool
+    """shared=True puts the region in a SharedRegion (loader processes write into its blocks): on Linux an
+    anonymous memory file, whatever room /dev/shm has; without memfd and with no room in /dev/shm the pool
+    stays private and says so, so the loaders take their slower path."""
+    from lora_core import pinned_pool, shared_region
 
     pool = PinnedSlabPool(1000, 3, pin=False, shared=True)
-    assert pool.shared and pool.region.is_shared() and pool.region.numel() == 3 * 1024
+    assert pool.shared and pool.region.numel() == 3 * 1024
+    assert pool.region.data_ptr() == pool.shared_region.tensor.data_ptr()
     block = pool.allocate(1000)
     assert block.tensor.data_ptr() == pool.region.data_ptr() + block.index * pool.block_bytes
-    monkeypatch.setattr(pinned_pool, "_shm_room", lambda nbytes: False)
+    monkeypatch.setattr(shared_region.os, "statvfs", lambda path: os.statvfs_result((4096,) * 2 + (0,) * 8))
+    assert PinnedSlabPool(1000, 3, pin=False, shared=True).shared == shared_region.MEMFD  # /dev/shm full
+    monkeypatch.setattr(shared_region, "MEMFD", False)
     private = PinnedSlabPool(1000, 3, pin=False, shared=True)
-    assert not private.shared and not private.region.is_shared()
+    assert not private.shared and private.shared_region is None and not private.region.is_shared()
     assert not PinnedSlabPool(1000, 3, pin=False).shared
+    monkeypatch.undo()
+    monkeypatch.setattr(shared_region, "MEMFD", False)  # room in /dev/shm again: torch's shared memory
+    assert PinnedSlabPool(1000, 3, pin=False, shared=True).region.is_shared()
 
 
 def test_a_slab_written_in_place_equals_a_prepared_one():
