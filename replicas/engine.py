@@ -33,7 +33,7 @@ from lora_core.request import LoRARequest
 from replicas.block_manager import BlockManager
 from replicas.engine_adapters import EngineAdapters
 from replicas.engine_args import EngineArgs  # also imported from here, as replicas.engine.EngineArgs
-from replicas.errors import InvalidRequestError
+from replicas.errors import EngineError, InvalidRequestError
 from replicas.executor import make_executor
 from replicas.model_runner import RunnerConfig, StepInput
 from replicas.outputs import CompletionOutput, RequestOutput
@@ -168,9 +168,12 @@ class LLMEngine:
                 # Room in the host cache frees up as running requests finish: wait for it while any run.
                 if not self.adapters.finish(lora_id, wait_for_room=self.scheduler.has_unfinished()):
                     continue
-            except Exception as exc:  # the adapter's own problem: its requests fail, nothing else does
-                error = InvalidRequestError([("lora_request", str(exc))])
-                error.__cause__ = exc
+            except Exception as exc:  # its requests fail, nothing else does
+                if isinstance(exc, EngineError):  # the engine's own failure (a lost load worker): not the client's
+                    error = exc
+                else:  # the adapter's own problem
+                    error = InvalidRequestError([("lora_request", str(exc))])
+                    error.__cause__ = exc
                 failed += [self._failed(seq, error) for seq in self._parked.pop(lora_id, [])]
                 continue
             for seq in self._parked.pop(lora_id, []):

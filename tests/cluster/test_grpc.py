@@ -16,7 +16,7 @@ from cluster.errors import AdapterNotFoundError, AuthenticationError, SourceUnav
 from cluster.grpc_ingress import check_api_key, grpc_status, request_from_proto
 from cluster.proto import lorafleet_pb2 as pb
 from cluster.proto import lorafleet_pb2_grpc as pb_grpc
-from replicas.errors import EngineDeadError, InvalidRequestError
+from replicas.errors import EngineDeadError, InvalidRequestError, LoadWorkerLostError
 from tests.cluster.conftest import free_ports
 
 APP = "lorafleet-grpc"
@@ -158,6 +158,7 @@ def test_status_mapping_and_api_keys():
     assert grpc_status(EngineDeadError("dead"))[0] == grpc.StatusCode.UNAVAILABLE
     assert grpc_status(AuthenticationError("no"))[0] == grpc.StatusCode.UNAUTHENTICATED
     assert grpc_status(RuntimeError("boom"))[0] == grpc.StatusCode.INTERNAL
+    assert grpc_status(LoadWorkerLostError("a load's worker died twice"))[0] == grpc.StatusCode.INTERNAL
 
     class Context:
         def __init__(self, metadata):
