@@ -66,8 +66,10 @@ class LoRAReplica:
         self._merges = metrics.Counter("lorafleet_lora_merges",
                                        "Adapters merged into the base weights (replicas/lora_merge.py)")
         self._merged = metrics.Gauge("lorafleet_lora_merged", "1 while an adapter runs merged into the base weights")
+        self._worker_restarts = metrics.Counter("lorafleet_lora_load_worker_restarts",
+                                                "Adapter load worker processes that died and were replaced")
         self._reported: dict[str, int] = {}
-        self._reported_loads = self._reported_merges = 0
+        self._reported_loads = self._reported_merges = self._reported_restarts = 0
 
     async def _start(self) -> None:
         async with self._started:
@@ -95,6 +97,10 @@ class LoRAReplica:
             self._merges.inc(merges - self._reported_merges)
             self._reported_merges = merges
         self._merged.set(int(merged is not None))
+        restarts = self.server.load_worker_restarts()
+        if restarts > self._reported_restarts:
+            self._worker_restarts.inc(restarts - self._reported_restarts)
+            self._reported_restarts = restarts
 
     async def models(self) -> list[dict]:
         await self._start()

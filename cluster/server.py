@@ -189,7 +189,8 @@ class LoRAServer:
 
     def routing_stats(self) -> dict[str, Any]:
         """What the router reads: adapters resident on GPU / in host memory, free slots, queue depth; and the
-        adapter merged into the base weights now (None) with the merges so far (replicas/lora_merge.py)."""
+        adapter merged into the base weights now (None) with the merges so far (replicas/lora_merge.py); adapter
+        load worker processes replaced after one died (replicas/lora_load_process.py)."""
         manager = getattr(self.engine.engine.executor.runner, "lora_manager", None)  # rank 0's, read, not called
         by_id = {r.lora_int_id: name for name, r in self._loaded.items()}
         gpu = [by_id[i] for i in list(manager.lora_index_to_id) if i in by_id] if manager else []
@@ -199,7 +200,12 @@ class LoRAServer:
         return dict(gpu_adapters=gpu, host_adapters=host, free_slots=max_loras - len(gpu),
                     queue_len=self._inflight, max_loras=max_loras,
                     adapter_events=dict(self.adapter_events),  # where adapter requests found their adapter
-                    merged_adapter=merged, lora_merges=merges)
+                    merged_adapter=merged, lora_merges=merges, load_worker_restarts=self.load_worker_restarts())
+
+    def load_worker_restarts(self) -> int:
+        """Rank 0's adapter load worker pools replaced after a worker died."""
+        loads = getattr(self.engine.engine.executor.runner, "loads", None)  # rank 0's, read in place
+        return loads.worker_restarts if loads is not None else 0
 
     def merge_state(self) -> tuple[str | None, int]:
         """The adapter running merged into the base weights now (None) and the merges so far."""

@@ -82,6 +82,11 @@ class AdapterLoads:
                                                     host_pool=manager.host_pool)
                                if processes > 0 else None)
 
+    @property
+    def worker_restarts(self) -> int:
+        """Times a load worker process died and its pool was replaced (0 with loads on threads)."""
+        return self.process_loader.restarts if self.process_loader is not None else 0
+
     @staticmethod
     def threads_for(processes: int) -> int:
         """Loader threads, so loads in flight at once, with that many worker processes."""

@@ -29,6 +29,7 @@ Worker processes are spawned without the user's ``__main__`` (replicas/spawn.py)
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -48,6 +49,7 @@ from lora_core.request import LoRARequest
 from replicas.errors import LoadWorkerLostError
 from replicas.spawn import WORKER_CONTEXT
 
+_log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _worker: dict = {}  # this worker process's preparer and checks, set once by _init
 
@@ -118,9 +120,16 @@ class ProcessAdapterLoader:
             pool.submit(_ready)
         return pool
 
-    def _replace(self, broken: ProcessPoolExecutor) -> None:
+    @property
+    def restarts(self) -> int:
+        """Pools replaced after a worker died (routing stats and metrics report it)."""
+        return self.pools_started - 1
+
+    def _replace(self, broken: ProcessPoolExecutor, request: LoRARequest) -> None:
         with self._lock:
             if self._pool is broken:  # else another loader thread replaced it already
+                _log.warning("an adapter load worker process died (loading %r at the time, or beside it): "
+                             "its loads start again in fresh workers", request.lora_name)
                 broken.shutdown(wait=False, cancel_futures=True)
                 self._pool = self._start_pool()
                 self.pools_started += 1
@@ -132,7 +141,7 @@ class ProcessAdapterLoader:
             try:
                 return load(pool)
             except BrokenProcessPool as exc:
-                self._replace(pool)
+                self._replace(pool, request)
                 if attempt:
                     raise LoadWorkerLostError(f"the worker process loading adapter {request.lora_name!r} "
                                               f"({request.lora_path}) died twice") from exc

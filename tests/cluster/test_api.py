@@ -271,3 +271,35 @@ def test_routing_stats_name_the_adapter_running_merged():
     finally:
         loop.run_until_complete(server.shutdown())
         loop.close()
+
+
+def test_routing_stats_count_load_workers_replaced_after_one_died():
+    """A replica whose adapter load worker dies keeps loading adapters in fresh workers, and says so."""
+    import multiprocessing
+    import os
+    import signal
+
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+    from replicas.spawn import WORKER_PREFIX
+
+    def workers():
+        return {p.pid: p for p in multiprocessing.active_children() if p.name.startswith(WORKER_PREFIX)}
+
+    before = workers()  # any left by earlier tests' engines
+    settings = SourceSettings(allowed_local_roots=[str(ensure_demo_checkpoint().adapters["demo-sql"].parent)])
+    server = LoRAServer(ServerConfig(model="demo", engine=ENGINE | {"lora_load_processes": 1}, default_max_tokens=8),
+                        LocalCatalog(settings))
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(server.start())
+    try:
+        stack = (loop, build_api(server, api_keys=None))
+        assert server.routing_stats()["load_worker_restarts"] == 0
+        (worker,) = [p for pid, p in workers().items() if pid not in before]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        out = run(stack, lambda c: c.completions.create(model="demo-sql", prompt="SELECT", max_tokens=4))
+        assert out.usage.completion_tokens == 4
+        assert server.routing_stats()["load_worker_restarts"] == server.load_worker_restarts() == 1
+    finally:
+        loop.run_until_complete(server.shutdown())
+        loop.close()

@@ -59,10 +59,11 @@ def test_the_default_engine_on_cpu_loads_on_threads(demo):
 def test_a_dead_worker_is_replaced_and_the_load_still_serves(demo, loras):
     sql = loras["demo-sql"]
     want = LLM(str(demo.model_dir), **_KW).generate(["SELECT"], _greedy(), [sql])[0].outputs[0].token_ids
+    before = _workers()  # any left by earlier tests' engines
     llm = LLM(str(demo.model_dir), lora_load_processes=1, **_KW)
     try:
         loader = llm.engine.executor.runner.loads.process_loader
-        (worker,) = _workers()
+        (worker,) = [p for p in _workers() if p.pid not in {q.pid for q in before}]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         out = llm.generate(["SELECT"], _greedy(), [sql])[0]
