@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 
 import httpx
@@ -249,18 +250,26 @@ def test_adapter_name_repointed_to_new_weights(stack):
     assert got.choices[0].text == want.choices[0].text
 
 
-def test_routing_stats_name_the_adapter_running_merged():
-    """A replica whose steps all use one adapter runs it merged (on CUDA by default; here asked for): its
-    routing stats say which, and how many merges so far; the next base request unmerges it."""
+@contextlib.contextmanager
+def _demo_stack(**engine):
+    """A started server on the demo checkpoint with these engine settings, and its API: (server, stack)."""
     from replicas.demo_checkpoint import ensure_demo_checkpoint
 
     settings = SourceSettings(allowed_local_roots=[str(ensure_demo_checkpoint().adapters["demo-sql"].parent)])
-    server = LoRAServer(ServerConfig(model="demo", engine=ENGINE | {"lora_merge_steps": 2}, default_max_tokens=8),
-                        LocalCatalog(settings))
+    server = LoRAServer(ServerConfig(model="demo", engine=ENGINE | engine, default_max_tokens=8), LocalCatalog(settings))
     loop = asyncio.new_event_loop()
     loop.run_until_complete(server.start())
     try:
-        stack = (loop, build_api(server, api_keys=None))
+        yield server, (loop, build_api(server, api_keys=None))
+    finally:
+        loop.run_until_complete(server.shutdown())
+        loop.close()
+
+
+def test_routing_stats_name_the_adapter_running_merged():
+    """A replica whose steps all use one adapter runs it merged (on CUDA by default; here asked for): its
+    routing stats say which, and how many merges so far; the next base request unmerges it."""
+    with _demo_stack(lora_merge_steps=2) as (server, stack):
         assert server.routing_stats()["merged_adapter"] is None and server.routing_stats()["lora_merges"] == 0
         run(stack, lambda c: c.completions.create(model="demo-sql", prompt="hi", max_tokens=6))
         stats = server.routing_stats()
@@ -268,9 +277,6 @@ def test_routing_stats_name_the_adapter_running_merged():
         assert server.merge_state() == ("demo-sql", 1)
         run(stack, lambda c: c.completions.create(model="lorafleet-demo", prompt="hi", max_tokens=2))
         assert (server.routing_stats()["merged_adapter"], server.merge_state()[1]) == (None, 1)
-    finally:
-        loop.run_until_complete(server.shutdown())
-        loop.close()
 
 
 def test_routing_stats_count_load_workers_replaced_after_one_died():
@@ -279,20 +285,13 @@ def test_routing_stats_count_load_workers_replaced_after_one_died():
     import os
     import signal
 
-    from replicas.demo_checkpoint import ensure_demo_checkpoint
     from replicas.spawn import WORKER_PREFIX
 
     def workers():
         return {p.pid: p for p in multiprocessing.active_children() if p.name.startswith(WORKER_PREFIX)}
 
     before = workers()  # any left by earlier tests' engines
-    settings = SourceSettings(allowed_local_roots=[str(ensure_demo_checkpoint().adapters["demo-sql"].parent)])
-    server = LoRAServer(ServerConfig(model="demo", engine=ENGINE | {"lora_load_processes": 1}, default_max_tokens=8),
-                        LocalCatalog(settings))
-    loop = asyncio.new_event_loop()
-    loop.run_until_complete(server.start())
-    try:
-        stack = (loop, build_api(server, api_keys=None))
+    with _demo_stack(lora_load_processes=1) as (server, stack):
         assert server.routing_stats()["load_worker_restarts"] == 0
         (worker,) = [p for pid, p in workers().items() if pid not in before]
         os.kill(worker.pid, signal.SIGKILL)
@@ -300,6 +299,3 @@ def test_routing_stats_count_load_workers_replaced_after_one_died():
         out = run(stack, lambda c: c.completions.create(model="demo-sql", prompt="SELECT", max_tokens=4))
         assert out.usage.completion_tokens == 4
         assert server.routing_stats()["load_worker_restarts"] == server.load_worker_restarts() == 1
-    finally:
-        loop.run_until_complete(server.shutdown())
-        loop.close()
