@@ -29,7 +29,8 @@ class SharedRegion:
     SharedRegion over the same memory."""
 
     def __init__(self, nbytes: int, memfd: bool | None = None) -> None:
-        """memfd: None where the OS has it."""
+        """memfd: an anonymous memory file (True), torch's shared memory under /dev/shm (False), or the
+        first where the OS has it (None)."""
         self.nbytes = nbytes
         memfd = MEMFD if memfd is None else memfd
         self.fd: int | None = None
@@ -67,6 +68,7 @@ def _mapped(fd: int, nbytes: int) -> torch.Tensor:
 
 
 def _attached(dup, nbytes: int) -> SharedRegion:
+    # The child's side: it maps the region and keeps no descriptor, so it does not pickle the region on.
     fd = dup.detach()
     region = SharedRegion.__new__(SharedRegion)
     region.nbytes, region.fd = nbytes, None
