@@ -68,12 +68,11 @@ class RayExecutor(Rank0Executor):
     def _send(self, method: str, args: tuple) -> list:
         return [a.call.remote(method, *args) for a in self._actors]
 
-    def _gather(self, pending: list) -> BaseException | None:
+    def _gather(self, pending: list) -> tuple[BaseException | None, list]:
         try:
-            ray.get(pending)
+            return None, ray.get(pending)
         except BaseException as exc:  # a worker's failure (same input, same typed error usually)
-            return exc
-        return None
+            return exc, []
 
     def shutdown(self) -> None:
         self.runner.close()

@@ -104,11 +104,14 @@ class EngineAdapters:
         return True
 
     def done(self, block: bool, awaited: Callable[[int], bool]) -> list[int]:
-        """Loads that have finished on this rank. block: none has, and nothing else can run, so return
+        """Loads that have finished on every rank. block: none has, and nothing else can run, so return
         the oldest one something waits on (awaited(lora_id): requests park on it; or a begin_add)."""
         if not self.loading:
             return []
-        done = self.executor.call("lora_loads_done")
+        # Finished on every rank: finish() waits for each rank's own load, so one that rank 0 finished first
+        # would stall the step for the others' (with TP each rank reads the adapter and keeps its own shard).
+        per_rank = self.executor.call_all("lora_loads_done")
+        done = [i for i in per_rank[0] if all(i in other for other in per_rank[1:])]
         if block and not done:
             done = [next(i for i in self.loading if awaited(i) or self.waiters.get(i))]
         return done

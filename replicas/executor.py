@@ -36,6 +36,10 @@ class UniProcExecutor:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.runner, method)(*args)
 
+    def call_all(self, method: str, *args: Any) -> list:
+        """call(), every rank's result (here the one rank's)."""
+        return [self.call(method, *args)]
+
     def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         return self.runner.execute(step, previous_tokens)
 
@@ -90,29 +94,34 @@ class Rank0Executor:
         return self.runner.model_config
 
     def call(self, method: str, *args: Any) -> Any:
+        return self._call(method, args, args)[0]
+
+    def call_all(self, method: str, *args: Any) -> list:
+        """call(), every rank's result: rank 0's first."""
         return self._call(method, args, args)
 
     def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        return self._call("execute", (step,), (step, previous_tokens))
+        return self._call("execute", (step,), (step, previous_tokens))[0]
 
-    def _call(self, method: str, worker_args: tuple, rank0_args: tuple) -> Any:
+    def _call(self, method: str, worker_args: tuple, rank0_args: tuple) -> list:
         pending = self._send(method, worker_args)
         error, result = None, None
         try:
             result = getattr(self.runner, method)(*rank0_args)
         except BaseException as exc:
             error = exc
-        worker_error = self._gather(pending)
+        worker_error, worker_results = self._gather(pending)
         if error is not None or worker_error is not None:
             raise error if error is not None else worker_error
-        return result
+        return [result, *worker_results]
 
     def _send(self, method: str, args: tuple) -> Any:
         """Start the call on ranks 1..tp-1; returns what _gather waits on."""
         raise NotImplementedError
 
-    def _gather(self, pending: Any) -> BaseException | None:
-        """Wait for every other rank's answer to the call; the first error among them, if any."""
+    def _gather(self, pending: Any) -> tuple[BaseException | None, list]:
+        """Wait for every other rank's answer to the call: the first error among them (if any) and their
+        results in rank order (None for execute)."""
         raise NotImplementedError
 
 
@@ -166,13 +175,14 @@ class MultiprocExecutor(Rank0Executor):
         for conn in self._conns:
             conn.send((method, args))
 
-    def _gather(self, pending: None) -> BaseException | None:
-        error = None
+    def _gather(self, pending: None) -> tuple[BaseException | None, list]:
+        error, results = None, []
         for conn in self._conns:  # always drain, so the pipes stay in step
             status, detail = conn.recv()
             if status == "error" and error is None:
                 error = detail
-        return error
+            results.append(detail if status == "ok" else None)
+        return error, results
 
     def shutdown(self) -> None:
         if self.runner is not None:

@@ -21,7 +21,7 @@ class _Runner:
 
 
 class _Fake(Rank0Executor):
-    """Ranks 1..tp-1 as a list of answers: None (ok) or the error each one raises."""
+    """Ranks 1..tp-1 as a list of answers: the error each one raises, or its result."""
 
     def __init__(self, runner: _Runner, workers: list[BaseException | None]) -> None:
         self.runner, self.workers, self.sent, self.gathered = runner, workers, [], 0
@@ -32,7 +32,8 @@ class _Fake(Rank0Executor):
 
     def _gather(self, pending):
         self.gathered += 1
-        return next((e for e in pending if e is not None), None)
+        error = next((e for e in pending if isinstance(e, BaseException)), None)
+        return error, [None if isinstance(e, BaseException) else e for e in pending]
 
 
 def test_a_call_runs_on_every_rank_and_errors_wait_for_all_of_them():
@@ -46,6 +47,7 @@ def test_a_call_runs_on_every_rank_and_errors_wait_for_all_of_them():
     with pytest.raises(ValueError, match="rank 0 failed"):  # rank 0's error first
         both.call("ping", 1)
     assert both.gathered == 1  # the other ranks' answers were still collected: the next call starts in step
+    assert _Fake(_Runner(), [4, 5]).call_all("ping", 1) == [2, 4, 5]  # every rank's result, rank 0's first
 
 
 def test_execute_sends_the_step_to_the_workers_and_the_device_tokens_to_rank_0_only():
@@ -62,6 +64,7 @@ def test_multiproc_executor_raises_a_workers_error_and_keeps_serving(tiny_checkp
     ex = MultiprocExecutor(RunnerConfig(model=str(tiny_checkpoint("llama3_tied")), num_blocks=8), 2)
     try:
         assert ex.call("lora_in_host_cache", 1) is False
+        assert ex.call_all("lora_loads_done") == [[], []]
         with pytest.raises(AttributeError, match="no_such_method"):
             ex.call("no_such_method")
         assert ex.call("list_loras") == []  # the pipes are still in step
@@ -83,3 +86,26 @@ def test_a_workers_start_up_error_is_read_from_its_pipe():
     quiet_end.close()  # a worker gone without a word is skipped
     failed_end.send(("error", "boom"))
     assert ex._worker_failure(wait_s=0.05) == "boom"
+
+
+def test_a_load_counts_as_done_once_every_rank_has_it():
+    """finish() waits for each rank's own load: one that only rank 0 has finished would stall the step (TP)."""
+    from lora_core.request import LoRARequest
+    from replicas.engine_adapters import EngineAdapters
+
+    class _Ranks:
+        def __init__(self, done_per_rank):
+            self.done_per_rank = done_per_rank
+
+        def call_all(self, method):
+            assert method == "lora_loads_done"
+            return self.done_per_rank
+
+    ranks = _Ranks([[1, 2, 3], [3, 1]])
+    adapters = EngineAdapters(ranks, scheduler=None, lora_config=None)
+    adapters.loading = {i: LoRARequest(f"a{i}", i, "/x") for i in (1, 2, 3)}
+    assert adapters.done(block=False, awaited=lambda i: True) == [1, 3]  # rank 0's order
+    ranks.done_per_rank = [[2], []]
+    assert adapters.done(block=False, awaited=lambda i: True) == []
+    # nothing else can run: wait for the oldest load a request waits on, wherever it stands
+    assert adapters.done(block=True, awaited=lambda i: i == 2) == [2]
