@@ -17,7 +17,20 @@ from multiprocessing.reduction import DupFd
 
 import torch
 
-MEMFD = hasattr(os, "memfd_create")
+
+def _memfd_works() -> bool:
+    # Python has os.memfd_create on Linux, but a kernel before 3.17 or a sandbox's seccomp filter may refuse it.
+    if not hasattr(os, "memfd_create"):
+        return False
+    try:
+        os.close(os.memfd_create("lorafleet-probe", os.MFD_CLOEXEC))
+    except OSError:
+        return False
+    return True
+
+
+MEMFD = _memfd_works()
+
 # Where torch's shared memory (file-descriptor strategy) lives on Linux. A region larger than its free space is
 # still created, but touching its pages past that space kills the process (SIGBUS): so the room is checked first.
 SHM_DIR = "/dev/shm"

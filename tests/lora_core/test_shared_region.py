@@ -50,3 +50,14 @@ def test_room_is_memory_with_memfd_and_dev_shm_without(monkeypatch):
     assert not shared_region.room_for(1)
     monkeypatch.setattr(shared_region.os, "statvfs", lambda path: os.statvfs_result((4096, 4096, 100, 10, 10) + (0,) * 5))
     assert shared_region.room_for(40960) and not shared_region.room_for(40961)
+
+
+def test_memfd_is_probed_not_assumed(monkeypatch):
+    """A kernel or sandbox that refuses memfd_create leaves regions in torch's shared memory."""
+    def refused(*args):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(shared_region.os, "memfd_create", refused, raising=False)
+    assert not shared_region._memfd_works()
+    monkeypatch.delattr(shared_region.os, "memfd_create", raising=False)
+    assert not shared_region._memfd_works()
