@@ -18,18 +18,15 @@ from lora_core.config import LoRAConfig
 from lora_core.errors import LoRACapacityError, UnknownLoRAError
 from lora_core.mapping import LoRAMapping
 from lora_core.model_manager import LoRAModelManager
-from lora_core.pinned_pool import physical_memory_bytes
 from lora_core.punica import PunicaWrapper
 from lora_core.request import LoRARequest
-from lora_core.stacked_a import max_idle_slots
 import torch.distributed as dist
 
-from replicas.adapter_loads import AdapterLoads, load_processes_for, load_processes_with_pool
+from replicas.adapter_loads import AdapterLoads
 from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
 from replicas.cuda_graphs import DecodeGraphs
-from replicas.lora_layers import (add_lora, fused_max_adapters, lora_module_specs, pending_max_tokens,
-                                  stack_lora_weights, stacked_max_tokens)
-from replicas.lora_merge import LoRAMerger, merger_for
+from replicas.lora_merge import LoRAMerger
+from replicas.lora_setup import build_lora
 from replicas.model_config import ModelConfig
 from replicas.models import dummy_model, load_model
 from replicas.parallel import ParallelContext
@@ -112,7 +109,8 @@ class ModelRunner:
         self.loads: AdapterLoads | None = None  # background adapter loads (start_lora_load)
         self.merger: LoRAMerger | None = None
         if cfg.lora_config is not None:  # slots first, so the KV budget sees their memory as used
-            self._setup_lora(cfg)
+            lora = build_lora(self.model, cfg, self.ctx, self.device, mc.dtype)
+            self.lora_manager, self.punica, self.merger, self.loads = lora.manager, lora.punica, lora.merger, lora.loads
         self.num_blocks = self._num_kv_blocks()
         # One block more than the block manager hands out: padding rows of graph steps write there.
         self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks + 1, cfg.block_size,
@@ -125,39 +123,6 @@ class ModelRunner:
         # slot writes are queued, it is passed when no earlier step can read a slot a prefetch evicts.
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._slots_settled = torch.cuda.Event() if self._side_stream is not None else None
-
-    def _setup_lora(self, cfg: RunnerConfig) -> None:
-        specs = lora_module_specs(self.model)
-        stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, cfg.lora_config, self.device, self.ctx.tp_size,
-                                            self.model_config.dtype)
-        stacked = stack_lora_weights(self.model, specs, cfg.lora_config) if stacked_tokens else {}
-        # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
-        processes = load_processes_for(cfg.lora_load_processes, self.device)
-        blocks = cfg.lora_config.max_cpu_loras + AdapterLoads.threads_for(processes) + 1
-        # Pinned memory is never paged out: the TP ranks' pools (one host) take at most a quarter of it.
-        host = physical_memory_bytes()
-        self.lora_manager = LoRAModelManager(specs, cfg.lora_config, self.device, self.model_config.dtype,
-                                             self.ctx.tp_rank, self.ctx.tp_size,
-                                             host_pool_blocks=blocks if cfg.lora_host_pool else 0,
-                                             host_pool_max_bytes=host // 4 // self.ctx.tp_size if host else None,
-                                             stacked_a={name: s.a_rows for name, s in stacked.items()} or None,
-                                             host_pool_shared=processes > 0,
-                                             compact_slots=bool(stacked) and cfg.lora_compact_slots)
-        self.punica = PunicaWrapper(cfg.max_num_batched_tokens, cfg.lora_config.max_loras, self.device,
-                                    max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens,
-                                    stacked_max_idle_slots=max_idle_slots(cfg.lora_config.max_lora_rank),
-                                    fused_max_adapters=fused_max_adapters(
-                                        cfg.lora_fused_max_adapters, stacked_tokens, cfg.lora_config.max_lora_rank,
-                                        torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""),
-                                    pending_max_tokens=pending_max_tokens(cfg.lora_pending_max_tokens, stacked_tokens,
-                                                                          cfg.lora_config.max_lora_rank),
-                                    pending_min_adapters=cfg.lora_pending_min_adapters)
-        add_lora(self.model, self.lora_manager, self.punica, cfg.lora_config, stacked)
-        # None where merging is off; a merge's undo lives in the memory the KV budget leaves (lora_merge.py)
-        self.merger = merger_for(self.model, self.lora_manager, cfg.lora_merge_steps, self.ctx, self.device)
-        processes = load_processes_with_pool(cfg.lora_load_processes, processes, self.lora_manager.host_pool)
-        self.loads = AdapterLoads(self.lora_manager, cfg.lora_config, specs, processes,
-                                  pin=self.device.type == "cuda", switch_interval=cfg.lora_load_switch_interval)
 
     def _num_kv_blocks(self) -> int:
         """Blocks per rank: the fixed count, or the memory budget over one block's bytes (same on all ranks)."""

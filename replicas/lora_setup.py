@@ -1,0 +1,71 @@
+"""build_lora: one rank's LoRA machinery for a loaded model, from the runner's settings.
+
+The LoRAModelManager (GPU slots, the host LRU on its pinned pool), the PunicaWrapper and its kernel paths
+(stacked A rows, one-launch LoRA linears, expands left to the next op), the model's LoRA layers, the merger of
+a hot adapter and the background adapter loads, each sized from RunnerConfig's LoRA fields, which EngineArgs
+documents. Built before the KV cache, so the memory budget sees the slots as used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lora_core.model_manager import LoRAModelManager
+from lora_core.pinned_pool import physical_memory_bytes
+from lora_core.punica import PunicaWrapper
+from lora_core.stacked_a import max_idle_slots
+from replicas.adapter_loads import AdapterLoads, load_processes_for, load_processes_with_pool
+from replicas.lora_layers import (add_lora, fused_max_adapters, lora_module_specs, pending_max_tokens,
+                                  stack_lora_weights, stacked_max_tokens)
+from replicas.lora_merge import LoRAMerger, merger_for
+from replicas.parallel import ParallelContext
+
+if TYPE_CHECKING:
+    from replicas.model_runner import RunnerConfig
+
+
+@dataclass
+class LoRAStack:
+    manager: LoRAModelManager
+    punica: PunicaWrapper
+    merger: LoRAMerger | None  # None where merging is off
+    loads: AdapterLoads
+
+
+def build_lora(model: torch.nn.Module, cfg: "RunnerConfig", ctx: ParallelContext, device: torch.device,
+               dtype: torch.dtype) -> LoRAStack:
+    """Add LoRA to model's linear layers (cfg.lora_config set) and build what serves adapters on this rank."""
+    lora_config = cfg.lora_config
+    specs = lora_module_specs(model)
+    stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, lora_config, device, ctx.tp_size, dtype)
+    stacked = stack_lora_weights(model, specs, lora_config) if stacked_tokens else {}
+    # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
+    processes = load_processes_for(cfg.lora_load_processes, device)
+    blocks = lora_config.max_cpu_loras + AdapterLoads.threads_for(processes) + 1
+    # Pinned memory is never paged out: the TP ranks' pools (one host) take at most a quarter of it.
+    host = physical_memory_bytes()
+    manager = LoRAModelManager(specs, lora_config, device, dtype, ctx.tp_rank, ctx.tp_size,
+                               host_pool_blocks=blocks if cfg.lora_host_pool else 0,
+                               host_pool_max_bytes=host // 4 // ctx.tp_size if host else None,
+                               stacked_a={name: s.a_rows for name, s in stacked.items()} or None,
+                               host_pool_shared=processes > 0,
+                               compact_slots=bool(stacked) and cfg.lora_compact_slots)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    punica = PunicaWrapper(cfg.max_num_batched_tokens, lora_config.max_loras, device,
+                           max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens,
+                           stacked_max_idle_slots=max_idle_slots(lora_config.max_lora_rank),
+                           fused_max_adapters=fused_max_adapters(cfg.lora_fused_max_adapters, stacked_tokens,
+                                                                 lora_config.max_lora_rank, device_name),
+                           pending_max_tokens=pending_max_tokens(cfg.lora_pending_max_tokens, stacked_tokens,
+                                                                 lora_config.max_lora_rank),
+                           pending_min_adapters=cfg.lora_pending_min_adapters)
+    add_lora(model, manager, punica, lora_config, stacked)
+    # A merge's undo lives in the memory the KV budget leaves (lora_merge.py)
+    merger = merger_for(model, manager, cfg.lora_merge_steps, ctx, device)
+    processes = load_processes_with_pool(cfg.lora_load_processes, processes, manager.host_pool)
+    loads = AdapterLoads(manager, lora_config, specs, processes, pin=device.type == "cuda",
+                         switch_interval=cfg.lora_load_switch_interval)
+    return LoRAStack(manager, punica, merger, loads)
