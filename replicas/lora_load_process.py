@@ -130,7 +130,9 @@ class ProcessAdapterLoader:
             if self._pool is broken:  # else another loader thread replaced it already
                 _log.warning("an adapter load worker process died (loading %r at the time, or beside it): "
                              "its loads start again in fresh workers", request.lora_name)
-                broken.shutdown(wait=False, cancel_futures=True)
+                # wait=True: the broken pool fails its futures before it terminates its other workers, and
+                # one may still be writing a part into a block that the retry, or another load, gets next.
+                broken.shutdown(wait=True, cancel_futures=True)
                 self._pool = self._start_pool()
                 self.pools_started += 1
 
