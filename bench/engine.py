@@ -44,7 +44,7 @@ CSV to $OUT (or bench/out), rewritten after every row.
     python bench/engine.py                                     # everything (> 10 min on one GPU)
     python bench/engine.py --scenarios 'base,*-r16'            # base is run whenever a LoRA row is
     python bench/engine.py --tiny                              # tiny model on CPU, < 1 min
-    python bench/engine.py --scenarios 'base,one-r16*,distinct-r16*' --variant lp:lora_load_processes=2
+    python bench/engine.py --scenarios 'base,distinct-r16*' --variant th:lora_load_processes=0   # loads on threads
 """
 
 from __future__ import annotations
