@@ -83,16 +83,14 @@ def _mapped(fd: int, nbytes: int) -> torch.Tensor:
 def _attached(dup, nbytes: int) -> SharedRegion:
     # The child's side: it maps the region and keeps no descriptor, so it does not pickle the region on.
     fd = dup.detach()
-    region = SharedRegion.__new__(SharedRegion)
-    region.nbytes, region.fd = nbytes, None
     try:
-        region.tensor = _mapped(fd, nbytes)
+        return _from_tensor(_mapped(fd, nbytes))
     finally:
         os.close(fd)  # the mapping holds its own reference to the file
-    return region
 
 
 def _from_tensor(tensor: torch.Tensor) -> SharedRegion:
+    """A SharedRegion over memory already shared (no descriptor of its own)."""
     region = SharedRegion.__new__(SharedRegion)
     region.nbytes, region.fd, region.tensor = tensor.numel(), None, tensor
     return region
