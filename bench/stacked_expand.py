@@ -8,8 +8,12 @@ slot's B, cuBLAS), each a CUDA-graph replay with L2 flushed.
 
     python bench/stacked_expand.py --tokens 32 --adapters 1 4 10 27
 
-Columns: engine (the current rule), bgmv / sgmv (the launch shape before stacked_expand_config, forced to
-one kernel), {sgmv,bgmv}NxK (programs of K tiles of N columns), dense (with --dense).
+Columns: engine (the current rule), tiles (the rule with column_expand.py off), bgmv / sgmv (the launch shape
+before stacked_expand_config, forced to one kernel), {sgmv,bgmv}NxK (programs of K tiles of N columns), colNxS
+(column_expand.py with N-column tiles, S pipeline stages; --columns), dense (with --dense). --compact puts the
+adapters in the slots below their bound, as the engine's slot compaction keeps them.
+
+    python bench/stacked_expand.py --compact --no-shapes --tokens 16 32 64 --adapters 1 4 12 16 32 --ranks 16 64
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from bench.kernels import graph_of, time_graph  # noqa: E402
 from bench.lora_site import SITES, SLOTS  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper, triton_ops  # noqa: E402
+from lora_core.punica.metadata import adapter_bound  # noqa: E402
+from lora_core.punica.column_expand import column_expand  # noqa: E402
 from tests.lora_core.punica_cases import stacked_weights  # noqa: E402
 
 
@@ -33,18 +39,22 @@ from tests.lora_core.punica_cases import stacked_weights  # noqa: E402
 VARIANTS = ((64, 1), (128, 1), (128, 2), (256, 1), (256, 2))
 
 
-def slots_for(tokens: int, adapters: int, g: torch.Generator) -> list[int]:
-    """adapters distinct slots spread over all SLOTS (as a Zipf step's are), cycled over the rows."""
-    chosen = torch.randperm(SLOTS, generator=g)[:adapters].tolist()
-    chosen[0] = SLOTS - 1  # the highest slot in use sets the bound, as a long-running adapter does
+def slots_for(tokens: int, adapters: int, g: torch.Generator, compact: bool = False) -> list[int]:
+    """adapters distinct slots spread over all SLOTS (as a Zipf step's are without slot compaction), cycled over
+    the rows; compact: spread over the slots below adapter_bound(adapters), as the engine's compaction keeps them."""
+    top = adapter_bound(adapters, SLOTS) if compact else SLOTS
+    chosen = torch.randperm(top, generator=g)[:adapters].tolist()
+    chosen[0] = top - 1  # the highest slot in use sets the bound, as a long-running adapter does
     return [chosen[i % adapters] for i in range(tokens)]
 
 
-def run(site: str, tokens: int, adapters: int, rank: int, dense_too: bool = False) -> dict[str, float]:
+def run(site: str, tokens: int, adapters: int, rank: int, dense_too: bool = False, shapes: bool = True,
+        columns: tuple[tuple[int, ...], ...] = (),
+        compact: bool = False) -> dict[str, float]:
     g = torch.Generator().manual_seed(tokens * 7 + adapters)
     hidden, slices = SITES[site]
     _, b, ranks = stacked_weights(SLOTS, rank, hidden, slices, [rank], torch.bfloat16, "cuda", g)
-    slots = slots_for(tokens, adapters, g)
+    slots = slots_for(tokens, adapters, g, compact)
     ids = list(range(1, SLOTS + 1))
     wrapper = PunicaWrapper(max(tokens, 16), SLOTS, "cuda", backend="triton", stacked_max_tokens=tokens)
     wrapper.update_metadata(LoRAMapping([ids[s] for s in slots], [ids[slots[0]]], False), ids)
@@ -87,12 +97,37 @@ def run(site: str, tokens: int, adapters: int, rank: int, dense_too: bool = Fals
             y[:, off:off + n].addmm_(masked[:, s].reshape(tokens, bound * rank), b_dense[s])
             off += n
 
-    cases = {"engine": engine, "bgmv": forced(True), "sgmv": forced(False)}
-    for block_n, n_blocks in VARIANTS:
-        cases[f"sgmv{block_n}x{n_blocks}"] = forced(False, n_blocks, block_n)
-        cases[f"bgmv{block_n}x{n_blocks}"] = forced(True, n_blocks, block_n)
+    def column(block_n: int, stages: int):
+        offsets = wrapper._offsets(slices)
+
+        def fn():
+            column_expand(y, shrunk, b, offsets, max(slices), len(slices), wrapper.token_meta.slots, tokens,
+                          bound, use_pdl=wrapper.use_pdl, config=(block_n, stages))
+        return fn
+
+    def tiles():  # the engine's expand before column_expand.py: one B tile of one adapter per program
+        with mock.patch.dict(os.environ, {"LORAFLEET_COLUMN_EXPAND": "0"}):
+            wrapper.add_expand_stacked(y, shrunk, b, slices, ranks)
+
+    cases = {"engine": engine, "tiles": tiles}
+    if shapes:
+        cases |= {"bgmv": forced(True), "sgmv": forced(False)}
+        for block_n, n_blocks in VARIANTS:
+            cases[f"sgmv{block_n}x{n_blocks}"] = forced(False, n_blocks, block_n)
+            cases[f"bgmv{block_n}x{n_blocks}"] = forced(True, n_blocks, block_n)
+    for shape in columns:
+        cases["col" + "x".join(map(str, shape))] = column(*shape)
     if dense_too:
         cases["dense"] = dense
+    y0 = y.clone()
+    engine()
+    want = y.clone()
+    for name in [c for c in cases if c not in ("engine", "dense")]:  # each column variant against the engine's expand
+        y.copy_(y0)
+        cases[name]()
+        err = ((y.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        if err > 1e-2:
+            raise AssertionError(f"{name} differs from the engine's expand by {err:.2e} ({site}, {adapters} adapters)")
     return {name: time_graph(graph_of(fn)) for name, fn in cases.items()} | {"bound": bound}
 
 
@@ -103,13 +138,18 @@ def main() -> None:
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 10, 27])
     p.add_argument("--ranks", type=int, nargs="+", default=[16])
     p.add_argument("--dense", action="store_true", help="also the dense cuBLAS reference")
+    p.add_argument("--no-shapes", action="store_true", help="without the forced BGMV / SGMV launch shapes")
+    p.add_argument("--columns", nargs="*", default=[], metavar="BLOCK_NxSTAGES",
+                   help="column_expand.py with these column tiles and pipeline stages, e.g. 32x4 64x6")
+    p.add_argument("--compact", action="store_true", help="adapters in the slots below their bound (compaction)")
     a = p.parse_args()
+    columns = tuple(tuple(int(v) for v in c.split("x")) for c in a.columns)
     header = None
     for rank in a.ranks:
         for site in a.sites:
             for tokens in a.tokens:
                 for adapters in a.adapters:
-                    r = run(site, tokens, adapters, rank, a.dense)
+                    r = run(site, tokens, adapters, rank, a.dense, not a.no_shapes, columns, a.compact)
                     if header is None:
                         header = [k for k in r if k != "bound"]
                         names = " ".join(f"{h:>10}" for h in header)

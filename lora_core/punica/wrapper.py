@@ -50,9 +50,9 @@ class PunicaWrapper(StepLayouts):
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = backend
         if backend == "triton":
-            from lora_core.punica import triton_ops  # triton is optional off Linux
+            from lora_core.punica import column_expand, triton_ops  # triton is optional off Linux
 
-            self._triton = triton_ops
+            self._triton, self._column = triton_ops, column_expand
         # Programmatic dependent launch lets the expand start under the shrink (Hopper+).
         self.use_pdl = (backend == "triton" and self.device.type == "cuda"
                         and triton_ops.pdl_supported(self.device.index or 0)) if use_pdl is None else use_pdl
@@ -283,12 +283,19 @@ class PunicaWrapper(StepLayouts):
             return
         if meta.num_rows == 0:
             return
+        tile_bgmv = self._triton.use_bgmv_stacked(meta, lora_b_stacked.shape[1], rank)
+        if (lora_bias_stacked is None and y.stride(1) == 1 and shrunk.stride(1) == 1
+                and self._column.use_column_expand(meta.num_rows, meta.slot_bound, lora_b_stacked.shape[1], rank,
+                                                    tile_bgmv)):
+            self._column.column_expand(y, shrunk, lora_b_stacked, self._offsets(output_slices),
+                                       max(output_slices), num_slices, meta.slots, meta.num_rows, meta.slot_bound,
+                                       use_pdl=self.use_pdl)
+            return
         col = shrunk.stride(1)
         buf = shrunk.as_strided((1, num_slices, meta.num_rows, rank), (0, rank * col, shrunk.stride(0), col))
         self._triton.expand(y, buf, lora_b_stacked, ranks, self._offsets(output_slices), max(output_slices),
                             meta, 0, lora_bias_stacked, add_inputs=True, use_pdl=self.use_pdl,
-                            buf_slot_stride=num_slices * rank * col, one_tile=True,
-                            bgmv=True if self._triton.use_bgmv_stacked(meta, lora_b_stacked.shape[1], rank) else None)
+                            buf_slot_stride=num_slices * rank * col, one_tile=True, bgmv=True if tile_bgmv else None)
 
     def pending_expand(self, y: torch.Tensor, shrunk: torch.Tensor, lora_b_stacked: torch.Tensor,
                        output_slices: tuple[int, ...], ranks: torch.Tensor,

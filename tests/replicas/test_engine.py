@@ -131,6 +131,23 @@ def test_shrink_in_the_base_gemm_matches_hf_peft(demo, batch, hf_reference, max_
     _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton backend serves on CUDA only "
+                    "(tests/lora_core/test_column_expand.py runs the kernel under the interpreter)")
+def test_column_expand_in_the_engine_matches_hf_peft(demo, batch, hf_reference, monkeypatch):
+    """Stacked decode steps whose expand runs as column tiles (lora_core/punica/column_expand.py): forced for
+    every step here (the demo's sites are small enough for the one-row-per-program expand otherwise)."""
+    from lora_core.punica import column_expand, triton_ops
+
+    monkeypatch.setattr(triton_ops, "BGMV_EXPAND_WORK", 0)
+    calls = []
+    real = column_expand.column_expand
+    monkeypatch.setattr(column_expand, "column_expand", lambda *a, **k: calls.append(1) or real(*a, **k))
+    llm = LLM(str(demo.model_dir), enable_lora=True, max_loras=4, max_lora_rank=32, dtype="float32",
+              lora_stacked_max_tokens=256, lora_pending_max_tokens=0, lora_fused_max_adapters=0, lora_merge_steps=0)
+    _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
+    assert calls
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_adapters_moved_between_slots_match_hf_peft(demo, batch, hf_reference, tp):
     """Slot compaction (lora_core/model_manager.py): one request at a time, each adapter is moved into slot 0
