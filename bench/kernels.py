@@ -166,6 +166,7 @@ BGMV_SWEEPS = {
     "bgmv_partials": ("triton_ops", "BGMV_SPLIT_PARTIALS", "BGMV split partials per row, rank x splits (0: no cap)"),
     "bgmv_min_programs": ("triton_ops", "BGMV_MIN_PROGRAMS",
                           "programs a capped BGMV shrink keeps, up to one K step each"),
+    "rank_mask_group": ("triton_ops", "RANK_MASK_GROUP", "ranks an expand's rank mask covers at a time (1: exact)"),
     "bgmv_rows_per_adapter": ("metadata", "BGMV_ROWS_PER_ADAPTER",
                               "rows per adapter up to which steps of <= 32 rows run BGMV instead of SGMV"),
 }

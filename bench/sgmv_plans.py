@@ -63,7 +63,7 @@ def run_case(site: str, tokens: int, pop: str, rank: int = 16) -> list[str]:
             meta.num_tiles, 0, splits, splits, 0, n_blocks, 0, meta.max_tiles, tokens,
             *buf.stride(), 0, *b.stride(), y.stride(0), y.stride(1), ranks.stride(0), 0,
             BLOCK_M=meta.block_m, BLOCK_N=bn, BLOCK_R=16, HAS_BIAS=False, ADD_INPUTS=add, USE_PDL=False,
-            IEEE=False, ZERO_BASE=False, num_warps=warps, num_stages=3))
+            IEEE=False, ZERO_BASE=False, RANK_GROUP=1, num_warps=warps, num_stages=3))
     block_k, splits, cap = ops.shrink_config(meta, hidden, num_slices, rank, False)
     plan_s = _us(lambda: ops.shrink(buf, x, a, ranks, meta, 1.0, False, splits, block_k))
     plan_e = {add: _us(lambda: ops.expand(y, buf[:cap], b, ranks, offs, max(slices), meta, 0, None, add,

@@ -6,13 +6,16 @@ whole slot of all modules), written slot by slot, read by every PunicaWrapper
 op through their strides. Shapes are local to this tensor-parallel rank:
 
     lora_a  [S, L, R_a, in]   per output slice S, per slot L; rows past the
-                              adapter's rank are zero (and never read: see ranks)
+                              adapter's rank are zero (as B's columns past it):
+                              kernels may read them (see ranks)
             EMBEDDING: [1, L, vocab, R] (a lookup table per slot)
     lora_b  [L, out, R_b]     all slices concatenated along out, in slice order
     ranks   [S, L] int32      the rank each slot really has for each slice on
                               this TP rank (0 = empty slot or untargeted slice);
-                              kernels mask by it, so padding to R costs memory but
-                              no bandwidth
+                              kernels mask by it, rounded up to 8 ranks so that
+                              their loads vectorize (triton_kernels.rank_mask);
+                              stacked steps read the whole width R (stacked_a.py,
+                              punica/column_expand.py), zeros included
     bias    [L, out] or None  PEFT lora_bias, already scaled
 
 R_a == R_b == max_lora_rank, except that fully-sharded column layers hold

@@ -36,8 +36,9 @@ class PendingExpand:
 
     y: the layer's output it is owed to (consumers may get views of it); shrunk [T, >= bound * S * R]: the
     stacked GEMM's shrink columns, slot-major, R = lora_b.shape[2] columns per slice; lora_b [L, sum(n_k), R];
-    ranks [S, L] (columns past a slot's rank are never read); the step's slot per row is the PunicaWrapper's
-    token metadata, so a PendingExpand is good for the step that made it only.
+    ranks [S, L] (columns past a slot's rank, rounded up to triton_kernels.RANK_MASK_GROUP, are never read); the
+    step's slot per row is the PunicaWrapper's token metadata, so a PendingExpand is good for the step that made
+    it only.
     """
     punica: PunicaWrapper
     y: torch.Tensor

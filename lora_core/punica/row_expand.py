@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lora_core.punica.triton_kernels import RANK_MASK_GROUP, rank_mask
+
 
 @triton.jit
 def row_slot(slots_ptr, ranks_ptr, row, slice_idx, sr_s):
@@ -25,9 +27,10 @@ def row_expand(s_row, b_slot, rank, offs_n, n_mask, sb_n, BLOCK_R: tl.constexpr)
     """[BLOCK_N] float32: sum over r < rank of s_row[r] * b_slot[n, r] for n in offs_n (masked by n_mask).
 
     s_row: the row's shrink columns of one slice; b_slot: that slot's B at the slice's first output row;
-    both unit stride along r. Rank 0 (no adapter) reads no memory and gives zeros."""
+    both unit stride along r. Rank 0 (no adapter) reads no memory and gives zeros; past the rank, up to the next
+    multiple of triton_kernels.RANK_MASK_GROUP, it reads the slot's zeros (so the loads vectorize)."""
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    r_mask = rank_mask(offs_r, rank, RANK_MASK_GROUP)
     s = tl.load(s_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
     w = tl.load(b_slot + offs_n[:, None].to(tl.int64) * sb_n + offs_r[None, :],
                 mask=n_mask[:, None] & r_mask[None, :], other=0.0)
@@ -38,7 +41,7 @@ def row_expand(s_row, b_slot, rank, offs_n, n_mask, sb_n, BLOCK_R: tl.constexpr)
 def cols_expand(s_row, b_slot, rank, cols, mask, sb_n, BLOCK_R: tl.constexpr):
     """row_expand over a 2-D block of output columns: [H, W] float32, cols [H, W] the B rows (masked by mask)."""
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    r_mask = rank_mask(offs_r, rank, RANK_MASK_GROUP)
     s = tl.load(s_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
     w = tl.load(b_slot + cols[:, :, None].to(tl.int64) * sb_n + offs_r[None, None, :],
                 mask=mask[:, :, None] & r_mask[None, None, :], other=0.0)

@@ -10,8 +10,15 @@ no extra bandwidth. Only Triton features present in 3.0 are used.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Ranks a rank mask covers at a time (rank_mask): 8 lets bf16 loads along the rank, B's contiguous axis, take
+# 16 bytes at once (H200, bench/kernels.py: gate_up rank 64, T = 64 distinct 147.5 -> 103.6 us; RESULTS.md
+# twenty-fourth session). Env LORAFLEET_RANK_MASK_GROUP=1 masks each rank exactly (for A/B runs).
+RANK_MASK_GROUP = tl.constexpr(int(os.environ.get("LORAFLEET_RANK_MASK_GROUP", "8")))
 
 
 @triton.jit
@@ -53,6 +60,15 @@ def _pdl_wait(USE_PDL: tl.constexpr):
 # before reading B or y when the expand only adds: e.g. the LM head's expand over the whole vocabulary, run
 # whenever a step has adapters, is a no-op unless one of them targets lm_head (8B, 32 rows: ~35 us per step).
 # Under PDL it still waits, so the kernel never completes before the shrink it follows.
+
+
+@triton.jit
+def rank_mask(offs_r, rank, GROUP: tl.constexpr):
+    """offs_r < rank, rounded up to a multiple of GROUP: a mask constant over GROUP ranks, so that loads along
+    the rank (B's and the shrink partials' contiguous axis) vectorize; a mask that changes at every rank kept
+    them to one element each. Sound because both operands are zero past each rank: slot images are
+    (model_manager, host_adapter) and the shrinks write their whole width, zeros past the rank."""
+    return offs_r // GROUP < (rank + GROUP - 1) // GROUP
 
 
 @triton.jit
@@ -176,7 +192,7 @@ def expand_kernel(
     sr_s, sbias_l,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, USE_PDL: tl.constexpr,
-    IEEE: tl.constexpr, ZERO_BASE: tl.constexpr,
+    IEEE: tl.constexpr, ZERO_BASE: tl.constexpr, RANK_GROUP: tl.constexpr,
 ):
     """y[tok, off + n] (+)= sum_split buf[split, s, tok, :rank] @ B[slot, n, :rank]^T (+ bias).
 
@@ -226,7 +242,7 @@ def expand_kernel(
             _pdl_wait(USE_PDL)
             return
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    r_mask = rank_mask(offs_r, rank, RANK_GROUP)
     xb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     buf_ptrs = (buf_ptr + lora.to(tl.int64) * sb_l + s * sb_s + tok[:, None].to(tl.int64) * sb_t
                 + offs_r[None, :] * sb_r)
@@ -318,6 +334,7 @@ def bgmv_expand_kernel(
     sr_s, sbias_l,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_INPUTS: tl.constexpr, USE_PDL: tl.constexpr,
+    RANK_GROUP: tl.constexpr,
 ):
     """Decode expand, one token per program: y[t, off + n] (+)= sum_split buf[., s, t, :rank] @ B[slot_t, n, :rank]^T.
 
@@ -344,7 +361,7 @@ def bgmv_expand_kernel(
             _pdl_wait(USE_PDL)
             return
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    r_mask = rank_mask(offs_r, rank, RANK_GROUP)
     b_rows = b_ptr + slot.to(tl.int64) * sw_l + offs_r[None, :] * sw_r
     y_row = y_ptr + t.to(tl.int64) * sy_t
     offs_n = n_begin + tl.arange(0, BLOCK_N)

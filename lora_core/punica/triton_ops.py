@@ -13,6 +13,7 @@ import torch
 import triton.language as tl
 
 from lora_core.punica.metadata import PunicaMetadata, max_tiles
+from lora_core.punica import triton_kernels
 from lora_core.punica.triton_kernels import bgmv_expand_kernel, bgmv_shrink_kernel, expand_kernel, shrink_kernel
 
 # Enough programs to keep every SM of an H100/H200 streaming weights.
@@ -206,6 +207,11 @@ def stacked_expand_config(rank: int) -> tuple[int, int]:
     return block_n, block_n
 
 
+# Ranks an expand's rank mask covers at a time (triton_kernels.rank_mask); a plan setting, so that
+# bench/kernels.py --rank-mask-group can sweep it side by side.
+RANK_MASK_GROUP = triton_kernels.RANK_MASK_GROUP.value
+
+
 def shrink(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor,
            meta: PunicaMetadata, scale: float, accumulate: bool, split_k: int, block_k: int,
            use_pdl: bool = False, bgmv: bool | None = None) -> None:
@@ -279,7 +285,7 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
             ranks.stride(0), bias.stride(0) if bias is not None else 0,
             BLOCK_N=block_n, BLOCK_R=_block_r(rank),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
-            num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
+            RANK_GROUP=RANK_MASK_GROUP, num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
         )
         return
     zero_blocks = -(-meta.num_rows // meta.block_m) if zero_base else 0
@@ -295,6 +301,6 @@ def expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: torc
         ranks.stride(0), bias.stride(0) if bias is not None else 0,
         BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=_block_r(rank),
         HAS_BIAS=bias is not None, ADD_INPUTS=add_inputs, USE_PDL=use_pdl,
-        IEEE=lora_b.dtype == torch.float32, ZERO_BASE=zero_base,
+        IEEE=lora_b.dtype == torch.float32, ZERO_BASE=zero_base, RANK_GROUP=RANK_MASK_GROUP,
         num_warps=4, num_stages=3, **_pdl_kwargs(use_pdl),
     )

@@ -4,8 +4,10 @@ SiluAndMul (gate_up_proj), the rotary embedding (qkv_proj), the add + RMSNorm (o
 Reference: the same step's PendingExpand.apply (the expand as a kernel of its
 own; plain torch on CPU) into a copy of x, then the layer's forward_native. The
 fused kernels run under Triton's interpreter on CPU and for real on a GPU.
-Shrink columns and B entries past each slot's rank hold garbage (NaN) for the
-kernels and zeros for the reference: a kernel must never read them.
+Shrink columns and B entries past each slot's rank hold zeros up to the rank rounded up to
+triton_kernels.RANK_MASK_GROUP (the kernels read that far, so that their loads vectorize, as the slot
+images' zeros allow) and garbage (NaN) past it for the kernels, zeros for the reference: a kernel must never
+read further.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from lora_core.mapping import LoRAMapping
 from lora_core.punica import PunicaWrapper
 from lora_core.punica.pending import PendingExpand
+from lora_core.punica.triton_kernels import RANK_MASK_GROUP
 from replicas.kernels import fused
 from replicas.kernels import lora_norm
 from replicas.layers import RMSNorm, RotaryEmbedding, SiluAndMul, norm
@@ -45,10 +48,12 @@ def _pending(row_slots: list[int], slices: tuple[int, ...], dtype, seed: int, ga
     punica = PunicaWrapper(16, SLOTS, DEVICE, stacked_max_tokens=16)
     punica.update_metadata(LoRAMapping([ids[s] if s >= 0 else 0 for s in row_slots], [1], False), ids)
     shrunk = (torch.randn(len(row_slots), SLOTS, len(slices), RANK, generator=g) * 2).to(DEVICE, dtype)
+    group = RANK_MASK_GROUP.value
     for slot, r in enumerate(RANKS):
-        shrunk[:, slot, :, r:] = float("nan") if garbage else 0.0
+        shrunk[:, slot, :, r:] = 0.0
         if garbage:
-            b[slot, :, r:] = float("nan")
+            shrunk[:, slot, :, -(-r // group) * group:] = float("nan")
+            b[slot, :, -(-r // group) * group:] = float("nan")
     return PendingExpand(punica, y, shrunk.view(len(row_slots), -1), b, slices, ranks)
 
 
