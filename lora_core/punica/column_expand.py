@@ -97,7 +97,8 @@ def column_expand_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     _pdl_wait(USE_PDL)  # the GEMM that wrote shrunk and y has completed from here on
     for slot in tl.range(0, slot_bound, num_stages=NUM_STAGES):
-        live = n_mask & (((used >> slot) & 1) + tl.zeros_like(offs_n) != 0)  # a per-column mask: see the doc
+        # An idle slot's B masked along the columns (not the rank, B's contiguous axis: see the module doc)
+        live = n_mask & (((used >> slot) & 1) + tl.zeros_like(offs_n) != 0)
         sv = tl.load(s_rows + slot * ss_slot, mask=(row_slot == slot)[:, None], other=0.0)
         bt = tl.load(b_cols, mask=live[None, :], other=0.0)
         acc += _dot(sv, bt, IEEE)
@@ -121,9 +122,9 @@ def column_expand_config(slot_bound: int, out_features: int) -> tuple[int, int]:
     return (128, 4) if out_features >= COLUMN_EXPAND_WIDE_OUTPUTS else (64, 6)
 
 
-def column_expand(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, slice_offsets: torch.Tensor, max_slice: int, num_slices: int, slots: torch.Tensor,
-                  num_rows: int, slot_bound: int, use_pdl: bool = False,
-                  config: tuple[int, int] | None = None) -> None:
+def column_expand(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, slice_offsets: torch.Tensor,
+                  max_slice: int, num_slices: int, slots: torch.Tensor, num_rows: int, slot_bound: int,
+                  use_pdl: bool = False, config: tuple[int, int] | None = None) -> None:
     """y [T, sum(slices)] += each row's expand: shrunk [T, >= slot_bound * S * R] slot-major as a stacked GEMM
     writes it, lora_b [L, N, R] zero past each slot's rank, slots [T] (-1: no adapter), every slot below
     slot_bound. y, shrunk and lora_b need unit stride along columns (rank for lora_b); T <=
@@ -141,9 +142,7 @@ def column_expand(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, s
     column_expand_kernel[(triton.cdiv(max_slice, block_n), num_slices)](
         shrunk, lora_b, y, slice_offsets, slots,
         num_rows, slot_bound, shrunk.stride(0), num_slices * rank, rank, lora_b.stride(0), lora_b.stride(1),
-        y.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(num_rows)), BLOCK_N=block_n,
-        BLOCK_R=rank,
-        NUM_STAGES=stages, USE_PDL=use_pdl, IEEE=lora_b.dtype == torch.float32,
-        num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+        y.stride(0), BLOCK_M=max(16, triton.next_power_of_2(num_rows)), BLOCK_N=block_n, BLOCK_R=rank,
+        NUM_STAGES=stages, USE_PDL=use_pdl, IEEE=lora_b.dtype == torch.float32, num_warps=4,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
