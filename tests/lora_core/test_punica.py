@@ -77,6 +77,39 @@ def test_lora_linear_matches_reference(num_tokens, popularity, num_slices, dtype
     assert torch.equal(got[untouched], y0[untouched]), "rows with no adapter must not change"
 
 
+@pytest.mark.parametrize("bgmv_max_tokens", [0, 32], ids=["sgmv", "bgmv"])
+@pytest.mark.parametrize("num_tokens,popularity", [(1, "identical"), (9, "distinct"), (40, "zipf")])
+def test_reads_stop_at_the_rank_rounded_up_to_the_mask_group(num_tokens, popularity, bgmv_max_tokens):
+    """The expands mask B by each rank rounded up to triton_kernels.RANK_MASK_GROUP (loads along the rank then
+    vectorize; the slots hold zeros there), the shrinks A by the exact rank: garbage (NaN) further on in either
+    is never read. Ranks 4, 12 and 1 end inside a group."""
+    from lora_core.punica.triton_kernels import RANK_MASK_GROUP
+
+    dtype, group, ranks_by_slot = DTYPES[0], RANK_MASK_GROUP.value, [4, 12, 1, 16, 8, 12]
+    g = torch.Generator().manual_seed(num_tokens)
+    slices = SLICES[3]
+    a, b, ranks = stacked_weights(NUM_SLOTS, 16, HIDDEN, slices, ranks_by_slot, dtype, DEVICE, g)
+    slots = token_slots(num_tokens, NUM_SLOTS, popularity, g, none_fraction=0.2 if num_tokens > 1 else 0.0)
+    ids = [11, 12, 13, 14, 15, 16]
+    mapping = _mapping(slots, ids, False)
+    ref = PunicaWrapper(1024, NUM_SLOTS, DEVICE, backend="torch")
+    tri = PunicaWrapper(1024, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=bgmv_max_tokens)
+    for w in (ref, tri):
+        w.update_metadata(mapping, ids)
+    x = torch.randn(num_tokens, HIDDEN, generator=g).to(DEVICE, dtype)
+    y0 = torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE, dtype)
+    want = y0.float().clone()
+    ref.add_lora_linear(want, x.float(), a.float(), b.float(), None, 0.5, slices, ranks)
+    a_bad, b_bad = a.clone(), b.clone()
+    for slot, r in enumerate(ranks_by_slot):
+        a_bad[:, slot, r:] = float("nan")
+        b_bad[slot, :, -(-r // group) * group:] = float("nan")
+    got = y0.clone()
+    tri.add_lora_linear(got, x, a_bad, b_bad, None, 0.5, slices, ranks)
+    assert torch.isfinite(got).all()
+    _assert_close(got, want, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_shrink_then_expand_equals_fused(dtype):
     """add_shrink + add_expand (the fully-sharded path) equals add_lora_linear."""
