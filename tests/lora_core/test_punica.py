@@ -39,6 +39,17 @@ def _wrappers(mapping: LoRAMapping, ids: list[int | None]):
     return out
 
 
+def _pair(mapping: LoRAMapping, ids: list[int], max_rows: int, bgmv_max_tokens: int | None = None,
+          num_slots: int = NUM_SLOTS) -> tuple[PunicaWrapper, PunicaWrapper]:
+    """(torch reference, Triton) wrappers with the step's metadata; bgmv_max_tokens for Triton (None: default)."""
+    extra = {} if bgmv_max_tokens is None else {"bgmv_max_tokens": bgmv_max_tokens}
+    ref = PunicaWrapper(max_rows, num_slots, DEVICE, backend="torch")
+    tri = PunicaWrapper(max_rows, num_slots, DEVICE, backend="triton", **extra)
+    for w in (ref, tri):
+        w.update_metadata(mapping, ids)
+    return ref, tri
+
+
 def _linear_both(ref: PunicaWrapper, tri: PunicaWrapper, x, a, b, y0, slices, ranks, scale: float) -> torch.Tensor:
     """add_lora_linear onto copies of y0 through both backends (torch in float32): they agree; Triton's result."""
     want, got = y0.float().clone(), y0.clone()
@@ -91,11 +102,7 @@ def test_reads_stop_at_the_rank_rounded_up_to_the_mask_group(num_tokens, popular
     a, b, ranks = stacked_weights(NUM_SLOTS, 16, HIDDEN, slices, ranks_by_slot, dtype, DEVICE, g)
     slots = token_slots(num_tokens, NUM_SLOTS, popularity, g, none_fraction=0.2 if num_tokens > 1 else 0.0)
     ids = [11, 12, 13, 14, 15, 16]
-    mapping = _mapping(slots, ids, False)
-    ref = PunicaWrapper(1024, NUM_SLOTS, DEVICE, backend="torch")
-    tri = PunicaWrapper(1024, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=bgmv_max_tokens)
-    for w in (ref, tri):
-        w.update_metadata(mapping, ids)
+    ref, tri = _pair(_mapping(slots, ids, False), ids, 1024, bgmv_max_tokens)
     x = torch.randn(num_tokens, HIDDEN, generator=g).to(DEVICE, dtype)
     y0 = torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE, dtype)
     want = y0.float().clone()
@@ -234,11 +241,7 @@ def test_decode_paths_split_k(num_tokens, rank, bgmv_max_tokens):
     a, b, ranks = stacked_weights(NUM_SLOTS, rank, hidden, slices, [rank, rank // 4], dtype, DEVICE, g)
     slots = token_slots(num_tokens, NUM_SLOTS, "distinct", g)
     ids = [1, 2, 3, 4, 5, 6]
-    mapping = _mapping(slots, ids, False)
-    ref = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="torch")
-    tri = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=bgmv_max_tokens)
-    for w in (ref, tri):
-        w.update_metadata(mapping, ids)
+    ref, tri = _pair(_mapping(slots, ids, False), ids, 64, bgmv_max_tokens)
     x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, dtype)
     want = torch.zeros(num_tokens, sum(slices), device=DEVICE)
     got = torch.zeros(num_tokens, sum(slices), device=DEVICE, dtype=dtype)
@@ -264,10 +267,7 @@ def test_untargeted_slices_leave_y_as_it_was(num_tokens, bgmv_max_tokens):
         b[slot, offsets[k]:offsets[k + 1]] = 0
     slots = token_slots(num_tokens, NUM_SLOTS, "uniform", g, none_fraction=0.2)
     ids = [1, 2, 3, 4, 5, 6]
-    ref = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="torch")
-    tri = PunicaWrapper(64, NUM_SLOTS, DEVICE, backend="triton", bgmv_max_tokens=bgmv_max_tokens)
-    for w in (ref, tri):
-        w.update_metadata(_mapping(slots, ids, False), ids)
+    ref, tri = _pair(_mapping(slots, ids, False), ids, 64, bgmv_max_tokens)
     y0 = torch.randn(num_tokens, sum(slices), generator=g).to(DEVICE, dtype)
     got = _linear_both(ref, tri, torch.randn(num_tokens, HIDDEN, generator=g).to(DEVICE, dtype), a, b, y0, slices,
                        ranks, 1.0)
@@ -313,10 +313,7 @@ def test_programs_are_dealt_over_the_real_tiles(num_tokens, used, popularity):
     slots = token_slots(num_tokens, used, popularity, g, none_fraction=0.1)
     ids = list(range(1, slots_total + 1))
     mapping = _mapping(slots, ids, num_tokens > 16)
-    ref = PunicaWrapper(512, slots_total, DEVICE, backend="torch")
-    tri = PunicaWrapper(512, slots_total, DEVICE, backend="triton", bgmv_max_tokens=0)
-    for w in (ref, tri):
-        w.update_metadata(mapping, ids)
+    ref, tri = _pair(mapping, ids, 512, 0, slots_total)
     meta = tri.token_meta
     real = sum(-(-slots.count(s) // meta.block_m) for s in set(slots) - {-1})
     bound = adapter_bound(len(set(slots) - {-1}), slots_total)
