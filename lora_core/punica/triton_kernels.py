@@ -4,8 +4,9 @@ Each program owns one M-tile (up to BLOCK_M tokens of ONE adapter slot, see
 metadata.py), so an adapter's weights are read once per tile instead of once
 per token, and decode batches where every token has its own adapter reduce to
 BGMV (one token per tile). Rows of A and columns of B past the slot's real
-rank are masked, so a low-rank adapter in a slot sized for max_lora_rank costs
-no extra bandwidth. Only Triton features present in 3.0 are used.
+rank are masked (B's to the next multiple of RANK_MASK_GROUP ranks, see
+rank_mask), so a low-rank adapter in a slot sized for max_lora_rank costs
+almost no extra bandwidth. Only Triton features present in 3.0 are used.
 """
 
 from __future__ import annotations
