@@ -49,8 +49,7 @@ def slots_for(tokens: int, adapters: int, g: torch.Generator, compact: bool = Fa
 
 
 def run(site: str, tokens: int, adapters: int, rank: int, dense_too: bool = False, shapes: bool = True,
-        columns: tuple[tuple[int, ...], ...] = (),
-        compact: bool = False) -> dict[str, float]:
+        columns: tuple[tuple[int, ...], ...] = (), compact: bool = False) -> dict[str, float]:
     g = torch.Generator().manual_seed(tokens * 7 + adapters)
     hidden, slices = SITES[site]
     _, b, ranks = stacked_weights(SLOTS, rank, hidden, slices, [rank], torch.bfloat16, "cuda", g)
@@ -122,7 +121,7 @@ def run(site: str, tokens: int, adapters: int, rank: int, dense_too: bool = Fals
     y0 = y.clone()
     engine()
     want = y.clone()
-    for name in [c for c in cases if c not in ("engine", "dense")]:  # each column variant against the engine's expand
+    for name in [c for c in cases if c not in ("engine", "dense")]:  # every other form against the engine's expand
         y.copy_(y0)
         cases[name]()
         err = ((y.float() - want.float()).abs().max() / want.float().abs().max()).item()
