@@ -68,8 +68,8 @@ class LoRAReplica:
         self._merged = metrics.Gauge("lorafleet_lora_merged", "1 while an adapter runs merged into the base weights")
         self._worker_restarts = metrics.Counter("lorafleet_lora_load_worker_restarts",
                                                 "Adapter load worker processes that died and were replaced")
-        self._reported: dict[str, int] = {}
-        self._reported_loads = self._reported_merges = self._reported_restarts = 0
+        self._reported: dict[str, int] = {}  # running total of the server's, by key, as last reported
+        self._reported_loads = 0
 
     async def _start(self) -> None:
         async with self._started:
@@ -85,22 +85,21 @@ class LoRAReplica:
 
     def _export_metrics(self) -> None:
         for tier, count in self.server.adapter_events.items():
-            delta = count - self._reported.get(tier, 0)
-            if delta:
-                self._hits.inc(delta, tags={"tier": tier})
-                self._reported[tier] = count
+            self._advance(self._hits, f"hits:{tier}", count, {"tier": tier})
         for seconds in self.server.load_latencies[self._reported_loads:]:
             self._load_seconds.observe(seconds)
         self._reported_loads = len(self.server.load_latencies)
         merged, merges = self.server.merge_state()
-        if merges > self._reported_merges:
-            self._merges.inc(merges - self._reported_merges)
-            self._reported_merges = merges
+        self._advance(self._merges, "merges", merges)
         self._merged.set(int(merged is not None))
-        restarts = self.server.load_worker_restarts()
-        if restarts > self._reported_restarts:
-            self._worker_restarts.inc(restarts - self._reported_restarts)
-            self._reported_restarts = restarts
+        self._advance(self._worker_restarts, "load_worker_restarts", self.server.load_worker_restarts())
+
+    def _advance(self, counter: Any, key: str, total: int, tags: dict[str, str] | None = None) -> None:
+        """Serve's counter up by what the server's running total under key gained since the last report."""
+        delta = total - self._reported.get(key, 0)
+        if delta > 0:
+            counter.inc(delta, tags=tags)
+            self._reported[key] = total
 
     async def models(self) -> list[dict]:
         await self._start()
