@@ -9,8 +9,8 @@ slot's B, cuBLAS), each a CUDA-graph replay with L2 flushed.
     python bench/stacked_expand.py --tokens 32 --adapters 1 4 10 27
 
 Columns: engine (the current rule), tiles (the rule with column_expand.py off), bgmv / sgmv (the launch shape
-before stacked_expand_config, forced to one kernel), {sgmv,bgmv}NxK (programs of K tiles of N columns), colNxS
-(column_expand.py with N-column tiles, S pipeline stages; --columns), dense (with --dense). --compact puts the
+before stacked_expand_config, forced to one kernel), {sgmv,bgmv}NxK (programs of K tiles of N columns), colNxS[xG]
+(column_expand.py with N-column tiles, S pipeline stages, G slots per program, default all; --columns), dense (with --dense). --compact puts the
 adapters in the slots below their bound, as the engine's slot compaction keeps them.
 
     python bench/stacked_expand.py --compact --no-shapes --tokens 16 32 64 --adapters 1 4 12 16 32 --ranks 16 64
@@ -96,12 +96,12 @@ def run(site: str, tokens: int, adapters: int, rank: int, dense_too: bool = Fals
             y[:, off:off + n].addmm_(masked[:, s].reshape(tokens, bound * rank), b_dense[s])
             off += n
 
-    def column(block_n: int, stages: int):
+    def column(block_n: int, stages: int, group: int = 0):
         offsets = wrapper._offsets(slices)
 
         def fn():
             column_expand(y, shrunk, b, offsets, max(slices), len(slices), wrapper.token_meta.slots, tokens,
-                          bound, use_pdl=wrapper.use_pdl, config=(block_n, stages))
+                          bound, use_pdl=wrapper.use_pdl, config=(block_n, stages, group))
         return fn
 
     def tiles():  # the engine's expand before column_expand.py: one B tile of one adapter per program
@@ -138,8 +138,9 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[16])
     p.add_argument("--dense", action="store_true", help="also the dense cuBLAS reference")
     p.add_argument("--no-shapes", action="store_true", help="without the forced BGMV / SGMV launch shapes")
-    p.add_argument("--columns", nargs="*", default=[], metavar="BLOCK_NxSTAGES",
-                   help="column_expand.py with these column tiles and pipeline stages, e.g. 32x4 64x6")
+    p.add_argument("--columns", nargs="*", default=[], metavar="BLOCK_NxSTAGES[xGROUP]",
+                   help="column_expand.py with these column tiles, pipeline stages and slots per program (default "
+                        "all), e.g. 32x4 64x6 64x2x1")
     p.add_argument("--compact", action="store_true", help="adapters in the slots below their bound (compaction)")
     a = p.parse_args()
     columns = tuple(tuple(int(v) for v in c.split("x")) for c in a.columns)

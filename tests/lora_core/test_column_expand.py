@@ -59,7 +59,7 @@ def _assert_close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", [(32, 4), (64, 2), None])
+@pytest.mark.parametrize("config", [(32, 4, 0), (64, 2, 0), (64, 2, 1), (32, 2, 4), None])
 @pytest.mark.parametrize("num_rows,popularity,slices,max_rank", [
     (1, "identical", (96,), 16),
     (7, "distinct", (64, 32, 16), 64),
@@ -81,8 +81,10 @@ def test_column_expand_equals_the_reference(num_rows, popularity, slices, max_ra
     assert torch.equal(got[free], y0[free])  # rows with no adapter: not written at all
 
 
-def test_slots_no_row_uses_are_never_read():
-    """An idle slot below the bound (a stale adapter in it, or garbage) adds nothing: NaN there stays out."""
+@pytest.mark.parametrize("group", [0, 1, 2])
+def test_slots_no_row_uses_are_never_read(group):
+    """An idle slot below the bound (a stale adapter in it, or garbage) adds nothing: NaN there stays out, whether
+    one program walks every slot (group 0) or a program each slot or pair of slots."""
     num_slots, slices = 6, (64, 32)
     wrapper, y0, shrunk, b, rank_table, slots, mapping, ids = _step(16, "identical", slices, 16, num_slots,
                                                                     DTYPES[0], seed=3, none_fraction=0.0)
@@ -102,7 +104,7 @@ def test_slots_no_row_uses_are_never_read():
     got = y0.clone()
     meta = wrapper.token_meta
     column_expand(got, shrunk4, b, wrapper._offsets(slices), max(slices), len(slices), meta.slots, 16,
-                  bound)
+                  bound, config=(32, 2, group))
     assert torch.isfinite(got).all()
     _assert_close(got[1:], want[1:], DTYPES[0])
     assert torch.equal(got[0], y0[0])
@@ -110,8 +112,10 @@ def test_slots_no_row_uses_are_never_read():
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a B arena of over 2**31 elements (8 GB); the engine's rank-64 8B "
                     "slots are that far apart")
-def test_slots_past_two_to_the_31_elements_apart():
-    """B's slots are views of the manager's arena, a whole adapter apart: slot * stride overflows int32."""
+@pytest.mark.parametrize("group", [0, 1])
+def test_slots_past_two_to_the_31_elements_apart(group):
+    """B's slots are views of the manager's arena, a whole adapter apart: slot * stride overflows int32, in the
+    loop's pointer step (group 0) and in a program's first slot (group 1)."""
     num_slots, slices, rank, dtype = 2, (64,), 16, torch.bfloat16
     wrapper, y0, shrunk, b, rank_table, slots, mapping, ids = _step(8, "uniform", slices, rank, num_slots, dtype,
                                                                     seed=9, none_fraction=0.0)
@@ -122,7 +126,8 @@ def test_slots_past_two_to_the_31_elements_apart():
     want = _reference(y0, shrunk, b, rank_table, slices, mapping, ids, num_slots)
     got = y0.clone()
     meta = wrapper.token_meta
-    column_expand(got, shrunk, far, wrapper._offsets(slices), max(slices), 1, meta.slots, 8, meta.slot_bound)
+    column_expand(got, shrunk, far, wrapper._offsets(slices), max(slices), 1, meta.slots, 8, meta.slot_bound,
+                  config=(64, 2, group))
     _assert_close(got, want, dtype)
 
 
