@@ -10,8 +10,8 @@ slot's B, cuBLAS), each a CUDA-graph replay with L2 flushed.
 
 Columns: engine (the current rule), tiles (the rule with column_expand.py off), bgmv / sgmv (the launch shape
 before stacked_expand_config, forced to one kernel), {sgmv,bgmv}NxK (programs of K tiles of N columns), colNxS[xG]
-(column_expand.py with N-column tiles, S pipeline stages, G slots per program, default all; --columns), dense (with --dense). --compact puts the
-adapters in the slots below their bound, as the engine's slot compaction keeps them.
+(column_expand.py with N-column tiles, S pipeline stages, G slots per program, default all; --columns), dense
+(with --dense). --compact puts the adapters in the slots below their bound, as the engine's compaction keeps them.
 
     python bench/stacked_expand.py --compact --no-shapes --tokens 16 32 64 --adapters 1 4 12 16 32 --ranks 16 64
 """
