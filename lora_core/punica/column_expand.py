@@ -122,7 +122,7 @@ def column_expand_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def column_expand_config(slot_bound: int, out_features: int) -> tuple[int, int, int]:
+def column_expand_config(slot_bound: int, out_features: int, rank: int) -> tuple[int, int, int]:
     """(BLOCK_N, NUM_STAGES, slots per program; 0: the whole bound). H200, 32-64 rows, the four 8B sites at ranks
     16 and 64 (bench/stacked_expand.py --columns, RESULTS.md twenty-fourth and twenty-fifth sessions):
     gate_up_proj 128-column tiles four stages deep at every bound (32 rows over 12 rank-64 slots: 22.9 us against
@@ -130,9 +130,11 @@ def column_expand_config(slot_bound: int, out_features: int) -> tuple[int, int, 
     (more programs for little work), programs of 4 slots in 64-column tiles up to 16 (32 rows over 12 rank-64
     slots, o_proj: 10.1 us against 12.3 for one program walking all 16: a loop four deep keeps its loads in
     flight, and four times the programs share the bytes), past that one program per column tile walking every
-    slot, six stages deep (64 rows over 32 slots: 15.1 against 17.3 in groups of 4)."""
+    slot, six stages deep (64 rows over 32 slots: 15.1 against 17.3 in groups of 4). Rank-16 gate_up tiles are a
+    quarter the bytes, and eight stages keep enough of them in flight (64 rows over 32 slots: 21.7 -> 19.2 us);
+    at rank 64 more than four stages lost (23.8 -> 28.6 us at 64 rows over 12)."""
     if out_features >= COLUMN_EXPAND_WIDE_OUTPUTS:
-        return 128, 4, 0
+        return 128, 8 if rank <= 16 else 4, 0
     if slot_bound <= 4:
         return 32, 4, 0
     return (64, 4, 4) if slot_bound <= 16 else (64, 6, 0)
@@ -154,7 +156,7 @@ def column_expand(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, s
                          f"power-of-two rank >= 16, got {num_rows} rows, slot bound {slot_bound}, rank {rank}")
     if y.stride(1) != 1 or shrunk.stride(1) != 1 or lora_b.stride(2) != 1:
         raise ValueError("column_expand needs y, shrunk and lora_b with unit stride along columns and rank")
-    block_n, stages, group = config or column_expand_config(slot_bound, lora_b.shape[1])
+    block_n, stages, group = config or column_expand_config(slot_bound, lora_b.shape[1], rank)
     group = min(group or slot_bound, slot_bound)
     column_expand_kernel[(triton.cdiv(max_slice, block_n), num_slices, triton.cdiv(slot_bound, group))](
         shrunk, lora_b, y, slice_offsets, slots,
