@@ -26,7 +26,7 @@ from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRA
 from cluster.server import GenerateRequest
 from lora_core.errors import InvalidAdapterError, LoRAConfigError, UnknownLoRAError
 from replicas.errors import EngineDeadError, InvalidRequestError
-from replicas.outputs import RequestOutput
+from replicas.outputs import CompletionOutput, RequestOutput
 
 # (exception types, HTTP status, OpenAI error type); first match wins.
 ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
@@ -163,16 +163,22 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
             return JSONResponse(fmt.full(last))
 
         async def events() -> AsyncIterator[str]:
-            sent, last = 0, first
+            sent: dict[int, int] = {}  # text sent so far, per choice
+            done: set[int] = set()  # choices whose finish_reason went out
+            last = first
             try:
                 async for out in _achain(first, stream):
                     timing.token(out)
-                    text = out.outputs[0].text
-                    chunk = fmt.chunk(text[sent:], out)
-                    sent = len(text)
                     last = out
-                    if chunk is not None:
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                    for c in out.outputs:  # one chunk per choice with news (n > 1: several choices)
+                        delta = c.text[sent.get(c.index, 0):]
+                        sent[c.index] = len(c.text)
+                        finished = c.finish_reason is not None and c.index not in done
+                        if finished:
+                            done.add(c.index)
+                        chunk = fmt.chunk(delta, c, finished)
+                        if chunk is not None:
+                            yield f"data: {json.dumps(chunk)}\n\n"
             except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band, then close
                 yield f"data: {error_response(exc).body.decode()}\n\n"
             else:
@@ -199,15 +205,16 @@ class _Timing:
         self.first: float | None = None
 
     def token(self, out: RequestOutput) -> None:
-        if self.first is None and out.outputs and out.outputs[0].token_ids:
+        if self.first is None and any(c.token_ids for c in out.outputs):
             self.first = time.monotonic()
             self.metrics.ttft.labels(self.model).observe(self.first - self.start)
 
     def done(self, out: RequestOutput) -> None:
         self.token(out)
-        n = len(out.outputs[0].token_ids)
+        lengths = [len(c.token_ids) for c in out.outputs]
         self.metrics.prompt_tokens.labels(self.model).inc(len(out.prompt_token_ids))
-        self.metrics.generated_tokens.labels(self.model).inc(n)
+        self.metrics.generated_tokens.labels(self.model).inc(sum(lengths))
+        n = max(lengths, default=0)  # n > 1: the choices decode side by side, one token a step each
         if self.first is not None and n > 1:
             self.metrics.tpot.labels(self.model).observe((time.monotonic() - self.first) / (n - 1))
 
@@ -227,7 +234,7 @@ class _Format:
 
     @staticmethod
     def usage(out: RequestOutput) -> dict:
-        p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+        p, c = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def usage_chunk(self, out: RequestOutput) -> dict:
@@ -235,36 +242,32 @@ class _Format:
         chunk["usage"] = self.usage(out)
         return chunk
 
-    @staticmethod
-    def finish_reason(out: RequestOutput) -> str | None:
-        return out.outputs[0].finish_reason if out.finished else None
+    def full(self, out: RequestOutput) -> dict:
+        body = self._envelope(self.object_full, [self.choice(c) for c in out.outputs])
+        body["usage"] = self.usage(out)
+        return body
 
 
 class _CompletionFormat(_Format):
     object_full = object_chunk = "text_completion"
     prefix = "cmpl"
 
-    def _logprobs(self, out: RequestOutput) -> dict | None:
-        lps = out.outputs[0].logprobs
-        if lps is None:
+    def _logprobs(self, c: CompletionOutput) -> dict | None:
+        if c.logprobs is None:
             return None
         decode = self.backend.decode_token
-        tokens = out.outputs[0].token_ids
-        return {"tokens": [decode(t) for t in tokens], "token_logprobs": [lp.get(t) for lp, t in zip(lps, tokens)],
-                "top_logprobs": [{decode(k): v for k, v in lp.items()} for lp in lps], "text_offset": None}
+        return {"tokens": [decode(t) for t in c.token_ids],
+                "token_logprobs": [lp.get(t) for lp, t in zip(c.logprobs, c.token_ids)],
+                "top_logprobs": [{decode(k): v for k, v in lp.items()} for lp in c.logprobs], "text_offset": None}
 
-    def full(self, out: RequestOutput) -> dict:
-        c = out.outputs[0]
-        body = self._envelope(self.object_full, [{"index": 0, "text": c.text, "logprobs": self._logprobs(out),
-                                                  "finish_reason": self.finish_reason(out)}])
-        body["usage"] = self.usage(out)
-        return body
+    def choice(self, c: CompletionOutput) -> dict:
+        return {"index": c.index, "text": c.text, "logprobs": self._logprobs(c), "finish_reason": c.finish_reason}
 
-    def chunk(self, delta: str, out: RequestOutput) -> dict | None:
-        if not delta and not out.finished:
+    def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
+        if not delta and not finished:
             return None
-        return self._envelope(self.object_chunk, [{"index": 0, "text": delta, "logprobs": None,
-                                                   "finish_reason": self.finish_reason(out)}])
+        return self._envelope(self.object_chunk, [{"index": c.index, "text": delta, "logprobs": None,
+                                                   "finish_reason": c.finish_reason if finished else None}])
 
 
 class _ChatFormat(_Format):
@@ -273,11 +276,10 @@ class _ChatFormat(_Format):
 
     def __init__(self, body: Any, backend: Any) -> None:
         super().__init__(body, backend)
-        self._started = False
+        self._started: set[int] = set()  # choices whose role went out
 
-    def _logprobs(self, out: RequestOutput) -> dict | None:
-        lps = out.outputs[0].logprobs
-        if lps is None:
+    def _logprobs(self, c: CompletionOutput) -> dict | None:
+        if c.logprobs is None:
             return None
         decode = self.backend.decode_token
 
@@ -286,27 +288,23 @@ class _ChatFormat(_Format):
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         content = []
-        for token, step in zip(out.outputs[0].token_ids, lps):
+        for token, step in zip(c.token_ids, c.logprobs):
             top = sorted(step.items(), key=lambda kv: -kv[1])[: self.body.top_logprobs or 0]
             content.append({**entry(token, step[token]), "top_logprobs": [entry(t, v) for t, v in top]})
         return {"content": content}
 
-    def full(self, out: RequestOutput) -> dict:
-        c = out.outputs[0]
-        body = self._envelope(self.object_full, [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                                                  "logprobs": self._logprobs(out),
-                                                  "finish_reason": self.finish_reason(out)}])
-        body["usage"] = self.usage(out)
-        return body
+    def choice(self, c: CompletionOutput) -> dict:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": self._logprobs(c),
+                "finish_reason": c.finish_reason}
 
-    def chunk(self, delta: str, out: RequestOutput) -> dict | None:
+    def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
         message: dict[str, str] = {}
-        if not self._started:
+        if c.index not in self._started:
             message["role"] = "assistant"
-            self._started = True
+            self._started.add(c.index)
         if delta:
             message["content"] = delta
-        if not message and not out.finished:
+        if not message and not finished:
             return None
-        return self._envelope(self.object_chunk, [{"index": 0, "delta": message, "logprobs": None,
-                                                   "finish_reason": self.finish_reason(out)}])
+        return self._envelope(self.object_chunk, [{"index": c.index, "delta": message, "logprobs": None,
+                                                   "finish_reason": c.finish_reason if finished else None}])

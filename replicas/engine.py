@@ -37,6 +37,7 @@ from replicas.errors import EngineError, InvalidRequestError
 from replicas.executor import make_executor
 from replicas.model_runner import RunnerConfig, StepInput
 from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.parallel_sampling import FanOut, child_id, child_params
 from replicas.sampler import Sampler, SamplerOutput
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -117,6 +118,7 @@ class LLMEngine:
         self._eos = tuple(mc.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                                is not None else ())
         self._requests: dict[str, _Request] = {}
+        self._fanout = FanOut()  # requests with n > 1 and their child sequences
         self.adapters = EngineAdapters(self.executor, self.scheduler, self.lora_config)
         # Adapters named by requests load in the background while other requests run; their
         # requests wait here, outside the scheduler, until the load ends.
@@ -189,14 +191,27 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
+        """Queue a request; with params.n > 1, n child sequences that report as one (parallel_sampling.py)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError([("sampling_params", f"must be SamplingParams, got {type(params).__name__}")])
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise InvalidRequestError([("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")])
         text, ids = self._tokenize(prompt)
-        if request_id in self._requests:
-            raise InvalidRequestError([("request_id", f"request_id {request_id!r} is already in use")])
+        children = [(request_id, params)] if params.n == 1 else [
+            (child_id(request_id, i), child_params(params, i)) for i in range(params.n)]
+        for rid in {request_id, *(cid for cid, _ in children)}:
+            if rid in self._requests or rid in self._fanout:
+                raise InvalidRequestError([("request_id", f"request_id {rid!r} is already in use")])
+        # Past the first child's adapter start the others pass every check it passed: whole or not at all.
+        self._add_sequence(*children[0], text, ids, lora_request)
+        if params.n > 1:
+            self._fanout.add(request_id, params.n)
+        for cid, child in children[1:]:
+            self._add_sequence(cid, child, text, ids, lora_request)
+
+    def _add_sequence(self, request_id: str, params: SamplingParams, text: str | None, ids: list[int],
+                      lora_request: LoRARequest | None) -> None:
         loading = False
         if lora_request is not None:
             try:
@@ -228,6 +243,11 @@ class LLMEngine:
         raise InvalidRequestError([("prompt", "must be a string or {'prompt_token_ids': [...]}")])
 
     def abort(self, request_id: str) -> bool:
+        if request_id in self._fanout:
+            return any([self._abort_one(cid) for cid in self._fanout.children(request_id)])
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> bool:
         for parked in self._parked.values():
             for seq in parked:
                 if seq.request_id == request_id:
@@ -283,7 +303,7 @@ class LLMEngine:
         if step is not None and self.async_scheduling:
             self._advance(step)  # after the outputs: no output may hold a placeholder
             self._in_flight = step
-        return failed + results
+        return self._fanout.merge(failed + results, self._abort_one)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> _SampledStep:
         """Sample on the device and start copying the tokens back."""

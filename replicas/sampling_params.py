@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from replicas.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # completions per request (OpenAI's limit); each is a sequence of its own (parallel_sampling.py)
 
 
 def _is_int(v: object) -> bool:
@@ -21,7 +22,8 @@ def _is_num(v: object) -> bool:
 class SamplingParams:
     """Sampling settings for one request.
 
-    temperature 0 means greedy. top_k -1 or 0 means off. logprobs=k returns
+    n completions per request (replicas/parallel_sampling.py; with a seed, completion i samples with
+    seed + i). temperature 0 means greedy. top_k -1 or 0 means off. logprobs=k returns
     the k most likely tokens of each step (from the raw model distribution)
     plus the sampled one. stop strings are matched by the detokenizer;
     stop_token_ids and EOS by the scheduler. Invalid values raise
@@ -51,10 +53,8 @@ class SamplingParams:
         def bad(name: str, need: str) -> None:
             problems.append((name, f"SamplingParams.{name} must be {need}, got {getattr(self, name)!r}"))
 
-        if not _is_int(self.n) or self.n < 1:
-            bad("n", "an integer >= 1")
-        elif self.n > 1:
-            bad("n", "1 (several completions per request are not supported; send n requests)")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"an integer in [1, {MAX_N}]")
         if not _is_num(self.temperature) or not self.temperature >= 0:
             bad("temperature", "a number >= 0 (0 = greedy)")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:

@@ -95,6 +95,42 @@ def test_chat_and_chat_streaming_agree(stack):
     assert full.usage.completion_tokens == 6
 
 
+def test_n_choices_full_and_streamed(stack):
+    """n = 2: two choices (index 0 and 1) in a full response and in a stream, each with its finish_reason;
+    usage counts both. Seeded, so the choices differ and each equals the n = 1 request seeded seed + index."""
+    kw = dict(model="demo-sql", prompt="The quick brown fox", max_tokens=6, temperature=1.0)
+    messages = [{"role": "user", "content": "Say hello"}]
+
+    async def go(c):
+        full = await c.completions.create(n=2, seed=11, **kw)
+        singles = [await c.completions.create(seed=11 + i, **kw) for i in range(2)]
+        chunks = [ch async for ch in await c.chat.completions.create(
+            model="demo-chat", messages=messages, max_tokens=5, temperature=1.0, seed=3, n=2, stream=True,
+            stream_options={"include_usage": True})]
+        chat = await c.chat.completions.create(model="demo-chat", messages=messages, max_tokens=5, temperature=1.0,
+                                               seed=3, n=2)
+        return full, singles, chunks, chat
+
+    full, singles, chunks, chat = run(stack, go)
+    assert [ch.index for ch in full.choices] == [0, 1]
+    assert [ch.text for ch in full.choices] == [s.choices[0].text for s in singles]
+    assert full.choices[0].text != full.choices[1].text
+    assert [ch.finish_reason for ch in full.choices] == ["length", "length"]
+    assert full.usage.completion_tokens == 12
+    streamed = {0: "", 1: ""}
+    finishes = {0: [], 1: []}
+    roles = {0: 0, 1: 0}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            roles[choice.index] += choice.delta.role == "assistant"
+            if choice.finish_reason:
+                finishes[choice.index].append(choice.finish_reason)
+    assert streamed == {ch.index: ch.message.content for ch in chat.choices}
+    assert finishes == {0: ["length"], 1: ["length"]} and roles == {0: 1, 1: 1}
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens == 10
+
+
 def test_load_adapter_at_run_time_then_use_it(stack):
     root = stack[3]
 
