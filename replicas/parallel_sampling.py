@@ -1,7 +1,8 @@
 """Parallel sampling (SamplingParams.n > 1): one request, n completions, as OpenAI's `n` and vLLM's.
 
-A request with n > 1 runs as n child sequences of n = 1, scheduled like any others (with prefix caching on,
-the children share the prompt's KV blocks; one adapter load serves them all), and reports as one
+A request with n > 1 runs as n child sequences of n = 1, scheduled like any others (one adapter load serves
+them all; admitted in one step, each computes the prompt: prefix caching shares computed blocks only), and
+reports as one
 RequestOutput whose outputs are the n completions, index 0..n-1. With a seed, child i samples with
 seed + i, so the n completions differ and the request is reproducible; greedy children agree.
 
