@@ -234,8 +234,8 @@ class _Format:
 
     @staticmethod
     def usage(out: RequestOutput) -> dict:
-        p, c = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        p, g = len(out.prompt_token_ids), sum(len(choice.token_ids) for choice in out.outputs)
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
     def usage_chunk(self, out: RequestOutput) -> dict:
         chunk = self._envelope(self.object_chunk, [])

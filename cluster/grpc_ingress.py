@@ -38,7 +38,7 @@ _HTTP_TO_GRPC = {
 }
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty")
+                      "repetition_penalty", "n")
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -121,22 +121,30 @@ def _with_status(grpc_context: Any, exc: BaseException) -> None:
 
 async def generate_stream(backend: Any, msg: pb.GenerateRequest, grpc_context: Any = None,
                           api_keys: list[str] | None = None) -> AsyncIterator[pb.GenerateResponse]:
-    """LoRAFleet.Generate: one GenerateResponse per engine step with the new text and token ids."""
+    """LoRAFleet.Generate: one GenerateResponse per engine step with the new text and token ids (per completion,
+    with its index, when the request asks for n > 1)."""
     try:
         check_api_key(grpc_context, api_keys)
         request = request_from_proto(msg, backend.model_name, backend.default_max_tokens)
-        sent_text = sent_tokens = 0
+        sent: dict[int, tuple[int, int]] = {}  # per completion: text and token ids sent so far
+        done: set[int] = set()  # completions whose last response went out
         async for out in backend.generate(request):
-            c = out.outputs[0]
-            delta_text, delta_ids = c.text[sent_text:], list(c.token_ids[sent_tokens:])
-            if not delta_text and not delta_ids and not out.finished:
-                continue
-            sent_text, sent_tokens = len(c.text), len(c.token_ids)
-            yield pb.GenerateResponse(
-                text=delta_text, token_ids=delta_ids, request_id=out.request_id,
-                finish_reason=(c.finish_reason or "") if out.finished else "",
-                stop_reason="" if c.stop_reason is None or not out.finished else str(c.stop_reason),
-                prompt_tokens=len(out.prompt_token_ids or []), completion_tokens=len(c.token_ids))
+            for c in out.outputs:  # n > 1: a response per completion with news, under its index
+                if c.index in done:
+                    continue
+                sent_text, sent_tokens = sent.get(c.index, (0, 0))
+                delta_text, delta_ids = c.text[sent_text:], list(c.token_ids[sent_tokens:])
+                last = c.finish_reason is not None
+                if not delta_text and not delta_ids and not last:
+                    continue
+                sent[c.index] = len(c.text), len(c.token_ids)
+                if last:
+                    done.add(c.index)
+                yield pb.GenerateResponse(
+                    text=delta_text, token_ids=delta_ids, request_id=out.request_id, index=c.index,
+                    finish_reason=(c.finish_reason or "") if last else "",
+                    stop_reason="" if c.stop_reason is None or not last else str(c.stop_reason),
+                    prompt_tokens=len(out.prompt_token_ids or []), completion_tokens=len(c.token_ids))
     except Exception as exc:  # noqa: BLE001 - becomes the RPC's status code
         _with_status(grpc_context, exc)
         raise

@@ -115,6 +115,20 @@ def test_generate_chat_and_prompt_token_ids(cluster):
     assert [t for c in by_ids for t in c.token_ids] == want["outputs"][0]["token_ids"]
 
 
+def test_generate_n_completions_each_under_its_index(cluster):
+    """n = 2, seeded: each index's responses add up to what n = 1 seeded seed + index streams; one last response
+    (with its finish_reason) per index."""
+    kw = dict(prompt=PROMPT, adapter="demo-sql", max_tokens=5, temperature=1.0)
+    both = _stream(cluster.stub, n=2, seed=21, **kw)
+    for index in (0, 1):
+        mine = [c for c in both if c.index == index]
+        alone = _stream(cluster.stub, seed=21 + index, **kw)
+        assert [t for c in mine for t in c.token_ids] == [t for c in alone for t in c.token_ids]
+        assert "".join(c.text for c in mine) == "".join(c.text for c in alone)
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"] and mine[-1].completion_tokens == 5
+    assert {c.index for c in both} == {0, 1}
+
+
 def test_errors_become_status_codes(cluster):
     with pytest.raises(grpc.RpcError) as err:
         _stream(cluster.stub, prompt="hi", adapter="no-such-adapter", max_tokens=2)
@@ -141,6 +155,7 @@ def test_request_from_proto():
     req = request_from_proto(pb.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=4, request_id="r1"), "base", 16)
     assert req.model == "base" and req.prompt == {"prompt_token_ids": [1, 2]} and req.request_id == "r1"
     assert req.sampling == {"max_tokens": 4}
+    assert request_from_proto(pb.GenerateRequest(prompt="hi", n=3), "base", 16).sampling == {"max_tokens": 16, "n": 3}
     req = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")]), "base", 16)
     assert req.messages == [{"role": "user", "content": "x"}] and req.prompt is None
     for bad, field in [(pb.GenerateRequest(), "prompt"), (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt"),
