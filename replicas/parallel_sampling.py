@@ -2,9 +2,8 @@
 
 A request with n > 1 runs as n child sequences of n = 1, scheduled like any others (one adapter load serves
 them all; admitted in one step, each computes the prompt: prefix caching shares computed blocks only), and
-reports as one
-RequestOutput whose outputs are the n completions, index 0..n-1. With a seed, child i samples with
-seed + i, so the n completions differ and the request is reproducible; greedy children agree.
+reports as one RequestOutput whose outputs are the n completions, index 0..n-1. With a seed, child i samples
+with seed + i, so the n completions differ and the request is reproducible; greedy children agree.
 
 FanOut keeps the parents: the engine adds the children (child_id, child_params), passes every step's outputs
 through merge (one output per parent touched by the step, in place of its children's), and aborts a
