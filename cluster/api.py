@@ -26,7 +26,7 @@ from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRA
 from cluster.server import GenerateRequest
 from lora_core.errors import InvalidAdapterError, LoRAConfigError, UnknownLoRAError
 from replicas.errors import EngineDeadError, InvalidRequestError
-from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.outputs import CompletionDeltas, CompletionOutput, RequestOutput
 
 # (exception types, HTTP status, OpenAI error type); first match wins.
 ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
@@ -163,19 +163,12 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
             return JSONResponse(fmt.full(last))
 
         async def events() -> AsyncIterator[str]:
-            sent: dict[int, int] = {}  # text sent so far, per choice
-            done: set[int] = set()  # choices whose finish_reason went out
-            last = first
+            deltas, last = CompletionDeltas(), first
             try:
                 async for out in _achain(first, stream):
                     timing.token(out)
                     last = out
-                    for c in out.outputs:  # one chunk per choice with news (n > 1: several choices)
-                        delta = c.text[sent.get(c.index, 0):]
-                        sent[c.index] = len(c.text)
-                        finished = c.finish_reason is not None and c.index not in done
-                        if finished:
-                            done.add(c.index)
+                    for c, delta, _, finished in deltas(out):  # a chunk per choice with news (n > 1: several)
                         chunk = fmt.chunk(delta, c, finished)
                         if chunk is not None:
                             yield f"data: {json.dumps(chunk)}\n\n"

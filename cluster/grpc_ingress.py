@@ -25,6 +25,7 @@ from cluster.errors import remote_cause
 from cluster.proto import lorafleet_pb2 as pb
 from cluster.server import GenerateRequest
 from replicas.errors import InvalidRequestError
+from replicas.outputs import CompletionDeltas
 
 GRPC_SERVICER_FUNCTIONS = ["cluster.proto.lorafleet_pb2_grpc.add_LoRAFleetServicer_to_server"]
 
@@ -126,20 +127,9 @@ async def generate_stream(backend: Any, msg: pb.GenerateRequest, grpc_context: A
     try:
         check_api_key(grpc_context, api_keys)
         request = request_from_proto(msg, backend.model_name, backend.default_max_tokens)
-        sent: dict[int, tuple[int, int]] = {}  # per completion: text and token ids sent so far
-        done: set[int] = set()  # completions whose last response went out
+        deltas = CompletionDeltas()
         async for out in backend.generate(request):
-            for c in out.outputs:  # n > 1: a response per completion with news, under its index
-                if c.index in done:
-                    continue
-                sent_text, sent_tokens = sent.get(c.index, (0, 0))
-                delta_text, delta_ids = c.text[sent_text:], list(c.token_ids[sent_tokens:])
-                last = c.finish_reason is not None
-                if not delta_text and not delta_ids and not last:
-                    continue
-                sent[c.index] = len(c.text), len(c.token_ids)
-                if last:
-                    done.add(c.index)
+            for c, delta_text, delta_ids, last in deltas(out):  # n > 1: a response per completion, by index
                 yield pb.GenerateResponse(
                     text=delta_text, token_ids=delta_ids, request_id=out.request_id, index=c.index,
                     finish_reason=(c.finish_reason or "") if last else "",

@@ -38,33 +38,12 @@ from replicas.executor import make_executor
 from replicas.model_runner import RunnerConfig, StepInput
 from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.parallel_sampling import FanOut, child_id, child_params
-from replicas.sampler import Sampler, SamplerOutput
+from replicas.sampled_step import SampledStep
+from replicas.sampler import Sampler
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from replicas.sequence import PENDING_TOKEN, Sequence
 from replicas.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass
-class _SampledStep:
-    """A step whose tokens were sampled on the device: what reading them back needs."""
-
-    out: SchedulerOutput
-    samplers: list[Sequence]  # row i of sampled.token_ids samples for samplers[i]
-    sampled: SamplerOutput
-    host_tokens: torch.Tensor | None = None  # CUDA: pinned copy of the tokens, valid once `ready` fired
-    ready: torch.cuda.Event | None = None
-    pending: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, output index, row)
-
-    @property
-    def rows(self) -> dict[str, int]:
-        return {seq.request_id: i for i, seq in enumerate(self.samplers)}
-
-    def tokens(self) -> list[int]:
-        if self.ready is None:
-            return self.sampled.token_ids.tolist()
-        self.ready.synchronize()
-        return self.host_tokens.tolist()
 
 
 @dataclass
@@ -132,7 +111,7 @@ class LLMEngine:
         prompt_graphs = (device.startswith("cuda") and not args.enforce_eager
                          and args.cudagraph_mode == "full_and_piecewise")
         self.read_back_before_prompt_steps = not prompt_graphs
-        self._in_flight: _SampledStep | None = None  # launched, tokens not read back yet
+        self._in_flight: SampledStep | None = None  # launched, tokens not read back yet
 
     # ---- adapters (replicas/engine_adapters.py) ----------------------------------------------
 
@@ -305,10 +284,10 @@ class LLMEngine:
             self._in_flight = step
         return self._fanout.merge(failed + results, self._abort_one)
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> _SampledStep:
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SampledStep:
         """Sample on the device and start copying the tokens back."""
         samplers = [s.seq for s in out.scheduled if s.samples]
-        step = _SampledStep(out, samplers, self.sampler.sample(logits, samplers))
+        step = SampledStep(out, samplers, self.sampler.sample(logits, samplers))
         ids = step.sampled.token_ids
         if ids.is_cuda:
             step.host_tokens = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
@@ -317,7 +296,7 @@ class LLMEngine:
             step.ready.record()
         return step
 
-    def _advance(self, step: _SampledStep) -> None:
+    def _advance(self, step: SampledStep) -> None:
         """The scheduler records the step, with a placeholder for each sampled token."""
         samplers = step.samplers
         self.scheduler.update_from_output(step.out, dict.fromkeys((s.request_id for s in samplers), PENDING_TOKEN))
@@ -325,7 +304,7 @@ class LLMEngine:
             if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
                 step.pending.append((seq, seq.num_output_tokens - 1, row))
 
-    def _read_back(self, step: _SampledStep, touched: dict[str, Sequence]) -> None:
+    def _read_back(self, step: SampledStep, touched: dict[str, Sequence]) -> None:
         """Put a sampled step's real tokens in place; stop tokens, EOS and stop strings finish requests."""
         tokens = step.tokens()
         for seq, index, row in step.pending:
@@ -370,7 +349,7 @@ class LLMEngine:
                 self.executor.call("prefetch_loras", ids, sorted(self.scheduler.running_lora_ids()))
 
     def _step_input(self, out: SchedulerOutput,
-                    previous: _SampledStep | None) -> tuple[StepInput, torch.Tensor | None]:
+                    previous: SampledStep | None) -> tuple[StepInput, torch.Tensor | None]:
         """The step's inputs, and the previous step's device tokens when some inputs are still pending."""
         step = StepInput([], [], [], [], [], [], [], [], is_prefill=any(s.is_prefill for s in out.scheduled))
         rows = previous.rows if previous is not None else {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 
 @dataclass
@@ -24,3 +25,26 @@ class RequestOutput:
     finished: bool = False
     lora_name: str | None = None
     error: Exception | None = None  # set when this request failed; the engine kept serving the others
+
+
+class CompletionDeltas:
+    """What each completion of one request gained since the last call, from its cumulative RequestOutputs (for
+    streaming APIs): calling it with an output yields (completion, new text, new token ids, last) for every
+    completion with news, last being its final report (finish_reason set); nothing more of it after that."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[int, int]] = {}  # per completion index: text and token ids reported
+        self._done: set[int] = set()
+
+    def __call__(self, out: RequestOutput) -> Iterator[tuple[CompletionOutput, str, list[int], bool]]:
+        for c in out.outputs:
+            if c.index in self._done:
+                continue
+            text_at, ids_at = self._sent.get(c.index, (0, 0))
+            text, ids, last = c.text[text_at:], list(c.token_ids[ids_at:]), c.finish_reason is not None
+            if not text and not ids and not last:
+                continue
+            self._sent[c.index] = len(c.text), len(c.token_ids)
+            if last:
+                self._done.add(c.index)
+            yield c, text, ids, last
