@@ -183,14 +183,17 @@ class LLMEngine:
             if rid in self._requests or rid in self._fanout:
                 raise InvalidRequestError([("request_id", f"request_id {rid!r} is already in use")])
         # Past the first child's adapter start the others pass every check it passed: whole or not at all.
-        self._add_sequence(*children[0], text, ids, lora_request)
+        first = self._add_sequence(*children[0], text, ids, lora_request)
         if params.n > 1:
             self._fanout.add(request_id, params.n)
+        # The others wait for the first to compute the prompt, then share its full blocks (scheduler.py).
+        bm = self.scheduler.block_manager
+        leader = first if bm.enable_prefix_caching and len(ids) > bm.block_size else None
         for cid, child in children[1:]:
-            self._add_sequence(cid, child, text, ids, lora_request)
+            self._add_sequence(cid, child, text, ids, lora_request, leader)
 
     def _add_sequence(self, request_id: str, params: SamplingParams, text: str | None, ids: list[int],
-                      lora_request: LoRARequest | None) -> None:
+                      lora_request: LoRARequest | None, prefix_leader: Sequence | None = None) -> Sequence:
         loading = False
         if lora_request is not None:
             try:
@@ -198,6 +201,7 @@ class LLMEngine:
             except LoRAError as exc:  # the adapter's own problem, for this request only
                 raise InvalidRequestError([("lora_request", str(exc))]) from exc
         seq = Sequence(request_id, ids, params, lora_request, eos_token_ids=self._eos)
+        seq.prefix_leader = prefix_leader
         if loading:  # a broken adapter fails this request later, as an output with .error
             self._parked.setdefault(lora_request.lora_int_id, []).append(seq)
         else:
@@ -207,6 +211,7 @@ class LLMEngine:
                                        include_stop_str_in_output=params.include_stop_str_in_output)
         self._requests[request_id] = _Request(seq, text, detok, lora_request.lora_name if lora_request else None,
                                               [] if params.logprobs is not None else None)
+        return seq
 
     def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -1,8 +1,8 @@
 """Parallel sampling (SamplingParams.n > 1): one request, n completions, as OpenAI's `n` and vLLM's.
 
 A request with n > 1 runs as n child sequences of n = 1, scheduled like any others (one adapter load serves
-them all; admitted in one step, each computes the prompt: prefix caching shares computed blocks only), and
-reports as one RequestOutput whose outputs are the n completions, index 0..n-1. With a seed, child i samples
+them all; with prefix caching the later children wait until the first has computed the prompt, then share
+its blocks: scheduler.py), and reports as one RequestOutput whose outputs are the n completions, index 0..n-1. With a seed, child i samples
 with seed + i, so the n completions differ and the request is reproducible; greedy children agree.
 
 FanOut keeps the parents: the engine adds the children (child_id, child_params), passes every step's outputs

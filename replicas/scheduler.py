@@ -10,6 +10,12 @@ adapter is reported by adapters_to_prefetch() so the engine can load it early.
 When the KV cache runs out, the most recently arrived running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of
 the queue, its outputs kept.
+
+A sequence with a prefix_leader (a sibling of a parallel-sampling request) is
+skipped the same way until its leader has computed the shared prompt: admitted
+then, it finds the prompt's full blocks in the prefix cache, so n completions
+compute their prompt once. Admitted in one step, each would compute it, since
+the cache shares only blocks whose KV is already written.
 """
 
 from __future__ import annotations
@@ -208,7 +214,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             lid = seq.lora_int_id
-            if lid and lid not in loras and (not self._slot_free_for(lid, loras) or not self.adapter_ready(lid)):
+            if (lid and lid not in loras and (not self._slot_free_for(lid, loras) or not self.adapter_ready(lid))
+                    or self._waits_for_leader(seq)):
                 skipped.append(self.waiting.popleft())
                 continue
             if not bm.can_allocate(seq):
@@ -223,6 +230,16 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence.of(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+
+    @staticmethod
+    def _waits_for_leader(seq: Sequence) -> bool:
+        """Whether seq's prefix leader is still computing the prompt they share (then seq waits for its blocks).
+        A leader that finished (stopped, aborted) lets it go too, with what the cache holds."""
+        leader = seq.prefix_leader
+        if leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens:
+            return True
+        seq.prefix_leader = None
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

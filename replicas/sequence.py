@@ -79,6 +79,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
         self.num_preemptions = 0
         self.block_table: list[int] = []
+        # A sibling sharing this prompt (parallel sampling): this one waits until the leader has computed
+        # it, then takes its full blocks from the prefix cache instead of computing them again.
+        self.prefix_leader: Sequence | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self._generators: dict[torch.device, torch.Generator] = {}

@@ -13,7 +13,7 @@ from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.parallel_sampling import FanOut, child_id
 from replicas.sampling_params import SamplingParams
 from tests.replicas.engine_cases import (  # noqa: F401  (make_llm, llm: fixtures)
-    PROMPTS, assert_no_leaked_blocks, greedy, llm, make_llm, run_steps, seeded, tokens)
+    LONG_TEXT, PROMPTS, assert_no_leaked_blocks, greedy, llm, make_llm, run_steps, seeded, tokens)
 
 
 def test_n_seeded_completions_equal_n_requests_seeded_one_apart(llm, loras):
@@ -40,6 +40,27 @@ def test_greedy_completions_agree(llm):
     assert [c.token_ids for c in out.outputs] == [want] * 4
     assert all(len(c.logprobs) == 12 for c in out.outputs)
 
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_completions_compute_a_shared_prompt_once(make_llm, loras, prefix_caching):
+    """With prefix caching the first completion computes the prompt and the others, a step later, take its
+    full blocks from the cache; without it each computes the prompt, in the same step. Either way each
+    completion is what the n = 1 request gives."""
+    sql = loras["demo-sql"]
+    llm = make_llm(enable_prefix_caching=prefix_caching)
+    engine, bm = llm.engine, llm.engine.scheduler.block_manager
+    want = tokens(make_llm(enable_prefix_caching=False).generate(LONG_TEXT, greedy(6), sql))[0]
+    full = (len(engine.tokenizer.encode(LONG_TEXT)) - 1) // bm.block_size * bm.block_size
+    engine.add_lora(sql)
+    engine.add_request("long", LONG_TEXT, greedy(6, n=3), sql)
+    engine.step()
+    started = sorted(rid for rid, seq in engine.scheduler.requests.items() if seq.num_computed_tokens)
+    assert started == (["long#0"] if prefix_caching else ["long#0", "long#1", "long#2"])
+    final = run_steps(engine)["long"]
+    assert [c.token_ids for c in final.outputs] == [want] * 3
+    assert bm.num_cache_hit_tokens == (2 * full if prefix_caching else 0) and full >= 4 * bm.block_size
+    assert_no_leaked_blocks(llm)
 
 def test_one_output_per_step_for_the_request_until_it_finishes(llm):
     """The engine reports the parent, never its children; each report holds all n completions so far."""
@@ -116,3 +137,19 @@ def test_fan_out_drops_the_siblings_of_a_failed_child_until_their_last_output():
     # a new request may reuse the ids afterwards
     passthrough = _out(child_id("r", 2), [9])
     assert fan.merge([passthrough], aborted.append) == [passthrough]
+
+
+@pytest.mark.gpu
+def test_n_completions_on_the_gpu_equal_n_requests(make_llm, loras):
+    """On CUDA (decode steps through CUDA graphs, sampling on the device): completion i of a seeded n = 3 request
+    is the n = 1 request seeded seed + i, with an adapter, and greedy completions agree."""
+    gpu = make_llm(device="cuda")
+    assert gpu.engine.num_cuda_graphs > 0
+    sql = loras["demo-sql"]
+    alone = [tokens(gpu.generate(PROMPTS[1], seeded(99 + i), sql))[0] for i in range(3)]
+    assert len({tuple(t) for t in alone}) == 3
+    out = gpu.generate([PROMPTS[1], PROMPTS[3]], [dataclasses.replace(seeded(99), n=3), greedy(12, n=4)],
+                       [sql, None])
+    assert [c.token_ids for c in out[0].outputs] == alone
+    assert [c.token_ids for c in out[1].outputs] == [tokens(gpu.generate(PROMPTS[3], greedy(12)))[0]] * 4
+    assert_no_leaked_blocks(gpu)

@@ -208,6 +208,60 @@ def test_prefix_reuse_through_the_scheduler():
     assert new == {"a": 1, "b": 1, "c": 9}
 
 
+
+def siblings(n_prompt: int, n: int = 3, **kw) -> list[Sequence]:
+    """n sequences of one prompt, the later ones waiting on the first (parallel sampling)."""
+    seqs = [req(f"p#{i}", n_prompt=n_prompt, **kw) for i in range(n)]
+    for follower in seqs[1:]:
+        follower.prefix_leader = seqs[0]
+    return seqs
+
+
+def test_siblings_wait_for_the_leaders_prompt_then_share_its_blocks():
+    s = make(num_blocks=32, block_size=4, max_num_batched_tokens=6)
+    for seq in siblings(n_prompt=10):
+        s.add(seq)
+    s.add(req("other", n_prompt=3))
+    out, _ = step(s)  # the leader's first chunk; its siblings wait, the request behind them goes ahead
+    assert {x.seq.request_id: x.num_new_tokens for x in out.scheduled} == {"p#0": 6}
+    out, _ = step(s)  # the leader's last chunk (chunked prefill), and "other" in the budget left
+    assert {x.seq.request_id: x.num_new_tokens for x in out.scheduled} == {"p#0": 4, "other": 2}
+    out, _ = step(s)  # prompt computed: each sibling computes only the tokens past the leader's 2 full blocks
+    assert {x.seq.request_id: x.num_new_tokens for x in out.scheduled} == {"p#0": 1, "other": 1, "p#1": 2, "p#2": 2}
+    assert [s.requests[f"p#{i}"].num_cached_tokens for i in (1, 2)] == [8, 8]
+    assert s.requests["p#1"].prefix_leader is None and s.requests["p#1"].block_table[:2] == s.requests["p#0"].block_table[:2]
+
+
+@pytest.mark.parametrize("leader_ends", ["abort", "stop"])
+def test_siblings_go_once_their_leader_has_finished(leader_ends):
+    s = make(num_blocks=32, block_size=4)
+    leader, *followers = siblings(n_prompt=9, max_tokens=1 if leader_ends == "stop" else 4)
+    for seq in (leader, *followers):
+        s.add(seq)
+    if leader_ends == "abort":  # still waiting: nothing of the prompt is cached
+        s.abort(leader.request_id)
+        out, _ = step(s)
+        assert {x.seq.request_id: x.num_new_tokens for x in out.scheduled} == {"p#1": 9, "p#2": 9}
+    else:  # finished with its prompt step: its blocks stay cached for the followers
+        out, done = step(s)
+        assert ids(done) == ["p#0"]
+        out, _ = step(s)
+        assert {x.seq.request_id: x.num_new_tokens for x in out.scheduled} == {"p#1": 1, "p#2": 1}
+
+
+def test_a_preempted_leader_holds_its_waiting_siblings_back_again():
+    s = make(num_blocks=32, block_size=4)
+    leader, *followers = siblings(n_prompt=9)
+    for seq in (leader, *followers):
+        s.add(seq)
+    step(s)
+    s._preempt(leader)  # recompute: its computed tokens are gone, the cache still holds its blocks
+    assert s._waits_for_leader(followers[0]) and leader.num_computed_tokens == 0
+    out, _ = step(s)  # the leader comes back first and reuses its own cached blocks
+    assert {x.seq.request_id: x.num_new_tokens for x in out.scheduled} == {"p#0": 2}
+    out, _ = step(s)
+    assert {x.seq.request_id for x in out.scheduled} == {"p#0", "p#1", "p#2"}
+
 def check_invariants(s: Scheduler, out, cfg: SchedulerConfig):
     bm = s.block_manager
     assert len(out.scheduled) <= cfg.max_num_seqs and out.num_batched_tokens <= cfg.max_num_batched_tokens
