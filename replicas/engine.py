@@ -243,14 +243,20 @@ class LLMEngine:
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished() or any(self._parked.values()) or bool(self._aborted_parked)
-                or self.adapters.has_waiters or self._in_flight is not None)
+        return (self.scheduler.has_unfinished() or self._unreported() or any(self._parked.values())
+                or bool(self._aborted_parked) or self.adapters.has_waiters or self._in_flight is not None)
+
+    def _unreported(self) -> bool:
+        """A sequence finished between steps (aborted) whose output the next step gives."""
+        return any((state := self._requests.get(seq.request_id)) is not None and state.seq is seq
+                   for seq in self.scheduler.finished_since_step)
 
     # ---- one step ---------------------------------------------------------------------------
 
     def waiting_only_for_loads(self) -> bool:
         """Nothing to compute until an adapter load ends (requests or add_lora callers wait on one)."""
-        return (not self.scheduler.has_unfinished() and not self._aborted_parked and self._in_flight is None
+        return (not self.scheduler.has_unfinished() and not self._unreported() and not self._aborted_parked
+                and self._in_flight is None
                 and (any(self._parked.values()) or self.adapters.has_waiters))
 
     def step(self, wait_for_loads: bool = True) -> list[RequestOutput]:
@@ -315,7 +321,9 @@ class LLMEngine:
         for seq, index, row in step.pending:
             token = tokens[row]
             seq.output_token_ids[index] = token
-            state = self._requests[seq.request_id]
+            state = self._requests.get(seq.request_id)
+            if state is None or state.seq is not seq:  # aborted and reported while in flight: its id may be reused
+                continue
             lp = step.sampled.logprobs[row]
             if state.logprobs is not None and lp is not None:
                 state.logprobs.append(lp.as_dict())
@@ -339,7 +347,10 @@ class LLMEngine:
         for seq in finished:
             touched.setdefault(seq.request_id, seq)
         for request_id, seq in list(touched.items()):
-            if seq.is_finished and request_id not in self._requests:
+            # A sequence finished in the step before is reported again (scheduler.finished): news only if still
+            # known, and its id may name a new request by now (a client reusing ids).
+            state = self._requests.get(request_id)
+            if seq.is_finished and (state is None or state.seq is not seq):
                 touched.pop(request_id)
         results = [self._output(seq) for seq in touched.values()]
         for seq in touched.values():

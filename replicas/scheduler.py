@@ -146,6 +146,11 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def finished_since_step(self) -> list[Sequence]:
+        """Sequences finished since the last schedule(), which reports them (read-only)."""
+        return self._finished_since_step
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 

@@ -190,3 +190,27 @@ def test_abort_between_steps(make_llm, loras):
         assert final[rid].outputs[0].finish_reason == "length"
         assert final[rid].outputs[0].token_ids == reference[int(rid)]
     assert_no_leaked_blocks(llm)
+
+
+
+def test_an_abort_is_reported_when_nothing_else_runs(llm):
+    engine = llm.engine
+    engine.add_request("alone", PROMPTS[0], greedy(50))
+    engine.step()
+    assert engine.abort("alone") and engine.has_unfinished_requests()
+    out = run_steps(engine)["alone"].outputs[0]
+    assert out.finish_reason == "abort" and len(out.token_ids) == 1
+    assert not engine.has_unfinished_requests()
+
+
+def test_request_ids_reused_as_soon_as_they_were_reported(llm):
+    """The scheduler reports a finished sequence again at the next step. That report once removed the new
+    request that had taken the id meanwhile when the new one was not in the step (here: a completion held
+    back for its sibling's prompt), which then failed with KeyError."""
+    engine = llm.engine
+    want = tokens(llm.generate(LONG_TEXT, greedy(3)))[0]
+    for _ in range(2):  # completion 1 finishes a step after completion 0, and is reported again after that
+        engine.add_request("again", LONG_TEXT, greedy(3, n=2))
+        final = run_steps(engine)
+        assert [c.token_ids for c in final["again"].outputs] == [want, want]
+    assert_no_leaked_blocks(llm)
