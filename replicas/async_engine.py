@@ -260,10 +260,10 @@ class AsyncLLMEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:  # its consumer has gone
                 continue
-            # the engine appends to its logprobs list in place; the consumer gets its own copy
-            completion = out.outputs[0]
-            if completion.logprobs is not None:
-                out = replace(out, outputs=[replace(completion, logprobs=list(completion.logprobs))])
+            # the engine appends to its logprobs lists in place; the consumer gets its own copies
+            if any(c.logprobs is not None for c in out.outputs):
+                out = replace(out, outputs=[c if c.logprobs is None else replace(c, logprobs=list(c.logprobs))
+                                            for c in out.outputs])
             stream.last = out
             if out.finished:
                 del self._streams[out.request_id]
@@ -294,7 +294,8 @@ class AsyncLLMEngine:
 def _aborted(request_id: str, last: RequestOutput | None) -> RequestOutput:
     if last is None:
         return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], None, "abort")], True)
-    return replace(last, finished=True, outputs=[replace(last.outputs[0], finish_reason="abort")])
+    return replace(last, finished=True, outputs=[c if c.finish_reason else replace(c, finish_reason="abort")
+                                                 for c in last.outputs])
 
 
 def _with_cause(error: Exception, cause: BaseException | None) -> Exception:

@@ -303,3 +303,27 @@ def test_requests_stream_while_an_adapter_loads(demo, loras):
     base, sql = run(demo, body)
     assert base[-1].finished and len(base[-1].outputs[0].token_ids) == 4
     assert sql[-1].finished and sql[-1].lora_name == "demo-sql"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])  # async: outputs a step later
+def test_n_completions_stream_with_logprobs_of_their_own_and_abort_together(demo, async_scheduling):
+    """Every yielded output keeps its completions' logprobs as they were (the engine appends in place), and
+    an abort ends all n completions."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1, n=3)
+
+    async def body(engine):
+        outs = await collect(engine, PROMPTS[0], params, "three")
+        long = []
+        async for out in engine.generate(PROMPTS[1], SamplingParams(n=2, temperature=1.0, max_tokens=1500), "two"):
+            long.append(out)
+            if len(long) == 2:
+                assert await engine.abort("two")
+        return outs, long
+
+    outs, long = run(demo, body, async_scheduling=async_scheduling)
+    for out in outs:
+        assert len(out.outputs) == 3
+        assert all(len(c.logprobs) == len(c.token_ids) for c in out.outputs)  # not grown since it was yielded
+    assert [c.finish_reason for c in outs[-1].outputs] == ["length"] * 3
+    assert long[-1].finished and [c.finish_reason for c in long[-1].outputs] == ["abort", "abort"]
+    assert all(len(c.token_ids) < 1500 for c in long[-1].outputs)
