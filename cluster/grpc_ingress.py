@@ -39,7 +39,7 @@ _HTTP_TO_GRPC = {
 }
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "n")
+                      "repetition_penalty", "n", "min_tokens")
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -102,6 +102,8 @@ def request_from_proto(msg: pb.GenerateRequest, model_name: str, default_max_tok
         sampling["stop_token_ids"] = list(msg.stop_token_ids)
     if msg.ignore_eos:
         sampling["ignore_eos"] = True
+    if msg.logit_bias:
+        sampling["logit_bias"] = dict(msg.logit_bias)
 
     model = msg.adapter or model_name
     extra = {"request_id": msg.request_id} if msg.request_id else {}

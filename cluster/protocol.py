@@ -29,6 +29,8 @@ class _Sampling(_Body):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -40,7 +42,8 @@ class _Sampling(_Body):
                     seed=self.seed, max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                     stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    repetition_penalty=self.repetition_penalty, logprobs=logprobs)
+                    repetition_penalty=self.repetition_penalty, logprobs=logprobs, min_tokens=self.min_tokens,
+                    logit_bias=self.logit_bias)
 
 
 class CompletionRequest(_Sampling):

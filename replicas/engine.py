@@ -177,6 +177,10 @@ class LLMEngine:
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise InvalidRequestError([("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")])
         text, ids = self._tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError([("logit_bias", f"SamplingParams.logit_bias names token id "
+                                        f"{max(params.logit_bias)}, outside the vocabulary [0, {vocab})")])
         children = [(request_id, params)] if params.n == 1 else [
             (child_id(request_id, i), child_params(params, i)) for i in range(params.n)]
         for rid in {request_id, *(cid for cid, _ in children)}:
@@ -208,7 +212,8 @@ class LLMEngine:
             self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
                                        skip_special_tokens=params.skip_special_tokens,
-                                       include_stop_str_in_output=params.include_stop_str_in_output)
+                                       include_stop_str_in_output=params.include_stop_str_in_output,
+                                       min_tokens=params.min_tokens)
         self._requests[request_id] = _Request(seq, text, detok, lora_request.lora_name if lora_request else None,
                                               [] if params.logprobs is not None else None)
         return seq

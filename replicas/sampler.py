@@ -1,8 +1,9 @@
 """Sampler: logits -> next tokens, batched over requests with different settings.
 
-Order of operations (as in vLLM): penalties, then greedy argmax for
-temperature-0 rows; for the others temperature, min_p, top_k, top_p and a
-draw. Logprobs are taken from the raw model logits (log_softmax before any
+Order of operations (as in vLLM): penalties, min_tokens (EOS and the stop
+token ids masked until that many tokens were generated) and logit_bias, then
+greedy argmax for temperature-0 rows; for the others temperature, min_p,
+top_k, top_p and a draw. Logprobs are taken from the raw model logits (log_softmax before any
 penalty or temperature), as vLLM returns them by default.
 
 A seeded request draws from its own torch.Generator, one row of noise per
@@ -11,6 +12,7 @@ step, so its tokens do not depend on which other requests share the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -71,6 +73,7 @@ class Sampler:
 
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, seqs, params)
+        logits = self._apply_min_tokens_and_bias(logits, seqs, params)
         greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = greedy_ids
@@ -112,6 +115,32 @@ class Sampler:
         freq = _column([p.frequency_penalty for p in params], logits)
         presence = _column([p.presence_penalty for p in params], logits)
         return logits - freq * out_counts - presence * (out_counts > 0).to(logits.dtype)
+
+    @staticmethod
+    def _apply_min_tokens_and_bias(logits: torch.Tensor, seqs: Seq[Sequence],
+                                   params: Seq[SamplingParams]) -> torch.Tensor:
+        """-inf on EOS (unless ignore_eos) and the stop token ids of rows short of min_tokens; + each row's
+        logit_bias. Out of place: logits may be a CUDA graph's output buffer."""
+        vocab = logits.shape[1]
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            if seq.num_output_tokens < p.min_tokens:
+                # a stop id past the vocabulary can never be sampled: nothing to mask
+                banned = {t for t in p.stop_token_ids if t < vocab} | (set() if p.ignore_eos else seq.eos_token_ids)
+                rows += [i] * len(banned)
+                cols += banned
+                values += [-math.inf] * len(banned)
+            if p.logit_bias:
+                rows += [i] * len(p.logit_bias)
+                cols += p.logit_bias
+                values += p.logit_bias.values()
+        if not rows:
+            return logits
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:

@@ -8,6 +8,7 @@ from replicas.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # completions per request (OpenAI's limit); each is a sequence of its own (parallel_sampling.py)
+MAX_BIAS = 100  # logit_bias's bound, OpenAI's: -100 bans a token, 100 all but forces it
 
 
 def _is_int(v: object) -> bool:
@@ -18,6 +19,20 @@ def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _token_bias(value: object) -> dict[int, float] | None:
+    """logit_bias with int keys (JSON sends them as strings: OpenAI's {"50256": -100}), or None if malformed."""
+    if not isinstance(value, dict):
+        return None
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            key = int(key)
+        if not _is_int(key) or key < 0 or not _is_num(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            return None
+        out[key] = float(bias)
+    return out
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings for one request.
@@ -26,8 +41,10 @@ class SamplingParams:
     seed + i). temperature 0 means greedy. top_k -1 or 0 means off. logprobs=k returns
     the k most likely tokens of each step (from the raw model distribution)
     plus the sampled one. stop strings are matched by the detokenizer;
-    stop_token_ids and EOS by the scheduler. Invalid values raise
-    InvalidRequestError naming every field at fault.
+    stop_token_ids and EOS by the scheduler; before min_tokens generated tokens none of them can end it (EOS
+    and the stop ids cannot be sampled, stop strings are not looked for), as in vLLM. logit_bias (OpenAI's)
+    adds a bias in [-100, 100] to the named tokens' logits before sampling (the engine checks the ids against
+    the vocabulary). Invalid values raise InvalidRequestError naming every field at fault.
     """
 
     n: int = 1
@@ -46,6 +63,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -91,6 +110,15 @@ class SamplingParams:
                 bad(name, "a number in [-2, 2]")
         if not _is_num(self.repetition_penalty) or not self.repetition_penalty > 0:
             bad("repetition_penalty", "a number > 0")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                _is_int(self.max_tokens) and self.max_tokens >= 1 and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "an integer in [0, max_tokens]")
+        if self.logit_bias is not None:
+            bias = _token_bias(self.logit_bias)
+            if bias is None:
+                bad("logit_bias", f"a map of token ids (>= 0) to numbers in [-{MAX_BIAS}, {MAX_BIAS}]")
+            else:
+                self.logit_bias = bias
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "a bool")

@@ -143,15 +143,18 @@ class IncrementalDetokenizer:
     change it and it cannot be the start of a stop string); finish() returns
     whatever was held back once generation ends for another reason. After a
     stop string fires, the output is cut before it (or after it with
-    include_stop_str_in_output) and later tokens are ignored.
+    include_stop_str_in_output) and later tokens are ignored. With min_tokens,
+    none fires before that many ids were generated.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: str | Iterable[str] = (),
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False) -> None:
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._stops = tuple(s for s in dict.fromkeys([stop] if isinstance(stop, str) else stop) if s)
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens  # no stop string ends the output before this many ids
         context = list(prompt_ids[-_PROMPT_CONTEXT:])
         if tokenizer.decode(context, skip_special_tokens).endswith(_REPLACEMENT):
             context = []  # a prompt ending mid-character would swallow the output's first bytes
@@ -206,7 +209,10 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> Delta:
         """Return the newly final text: up to a stop string, else all but a possible stop-string start."""
         start = self._emitted
-        hits = [(i, s) for s in self._stops if (i := self._text.find(s, start)) >= 0]
+        # Short of min_tokens a stop string does not fire, but a possible start of one is still held back, so
+        # that one completed by the ids after it is found (vLLM looks for it in the text those ids added).
+        live = len(self._ids) - self._num_context >= self._min_tokens
+        hits = [(i, s) for s in self._stops if live and (i := self._text.find(s, start)) >= 0]
         if hits:
             i, s = min(hits)
             self.stop_str = s

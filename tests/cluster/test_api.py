@@ -131,6 +131,32 @@ def test_n_choices_full_and_streamed(stack):
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens == 10
 
 
+
+def test_logit_bias_and_min_tokens(stack):
+    """OpenAI's logit_bias (string ids) forces a token; vLLM's min_tokens (extra_body) reaches the engine (its
+    semantics: tests/replicas/test_engine_features.py); bad values of either are a 400 naming the field."""
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+    from replicas.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(ensure_demo_checkpoint().model_dir)
+    kw = dict(model="demo-sql", prompt="The quick brown fox", max_tokens=4, temperature=0)
+
+    async def go(c):
+        plain = await c.completions.create(**kw)
+        forced = await c.completions.create(logit_bias={"17": 100}, **kw)
+        held = await c.completions.create(extra_body={"min_tokens": 4}, **kw)
+        errors = []
+        for bad in (dict(logit_bias={"1000000": 1}), dict(extra_body={"min_tokens": 5})):
+            with pytest.raises(openai.BadRequestError) as err:
+                await c.completions.create(**kw, **bad)
+            errors.append(str(err.value))
+        return plain, forced, held, errors
+
+    plain, forced, held, errors = run(stack, go)
+    assert forced.choices[0].text == tok.decode([17] * 4) != plain.choices[0].text
+    assert held.choices[0].text == plain.choices[0].text
+    assert "logit_bias" in errors[0] and "min_tokens" in errors[1]
+
 def test_load_adapter_at_run_time_then_use_it(stack):
     root = stack[3]
 

@@ -129,6 +129,14 @@ def test_generate_n_completions_each_under_its_index(cluster):
     assert {c.index for c in both} == {0, 1}
 
 
+def test_generate_with_logit_bias_and_min_tokens(cluster):
+    forced = _stream(cluster.stub, prompt=PROMPT, max_tokens=3, temperature=0.0, logit_bias={17: 100.0}, min_tokens=3)
+    assert [t for c in forced for t in c.token_ids] == [17, 17, 17]
+    with pytest.raises(grpc.RpcError) as err:
+        _stream(cluster.stub, prompt=PROMPT, max_tokens=3, min_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in err.value.details()
+
+
 def test_errors_become_status_codes(cluster):
     with pytest.raises(grpc.RpcError) as err:
         _stream(cluster.stub, prompt="hi", adapter="no-such-adapter", max_tokens=2)
@@ -156,6 +164,8 @@ def test_request_from_proto():
     assert req.model == "base" and req.prompt == {"prompt_token_ids": [1, 2]} and req.request_id == "r1"
     assert req.sampling == {"max_tokens": 4}
     assert request_from_proto(pb.GenerateRequest(prompt="hi", n=3), "base", 16).sampling == {"max_tokens": 16, "n": 3}
+    req = request_from_proto(pb.GenerateRequest(prompt="hi", min_tokens=2, logit_bias={5: -100.0, 9: 2.5}), "b", 16)
+    assert req.sampling == {"max_tokens": 16, "min_tokens": 2, "logit_bias": {5: -100.0, 9: 2.5}}
     req = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")]), "base", 16)
     assert req.messages == [{"role": "user", "content": "x"}] and req.prompt is None
     for bad, field in [(pb.GenerateRequest(), "prompt"), (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt"),

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from replicas.errors import InvalidRequestError
 from replicas.sampling_params import SamplingParams
 from tests.replicas.engine_cases import (  # noqa: F401  (make_llm, llm: fixtures)
     PROMPTS, greedy, llm, make_llm, seeded, tokens)
@@ -121,6 +122,32 @@ def test_eos_and_ignore_eos(demo, make_llm, first_run, tmp_path):
     assert ignored.outputs[0].token_ids == first_run.token_ids
     assert ignored.outputs[0].finish_reason == "length"
 
+
+
+def test_min_tokens_holds_back_stop_ids_and_strings(llm, first_run):
+    """A stop id that greedy decoding reaches at token k cannot end the output before min_tokens; a stop string
+    the first min_tokens - 1 tokens complete is output."""
+    k = _first_new_token(first_run.token_ids, 4)
+    stop_id = first_run.token_ids[k]
+    out = llm.generate(PROMPTS[0], greedy(32, stop_token_ids=[stop_id], min_tokens=k + 3))[0].outputs[0]
+    assert out.token_ids[:k] == first_run.token_ids[:k] and stop_id not in out.token_ids[:k + 3]
+    assert len(out.token_ids) >= k + 3
+    stop = llm.engine.tokenizer.decode(first_run.token_ids[:2])  # completed by the second token
+    out = llm.generate(PROMPTS[0], greedy(8, stop=stop, min_tokens=3))[0].outputs[0]
+    assert out.token_ids == first_run.token_ids[:8] and out.finish_reason == "length"
+
+
+def test_logit_bias_bans_and_forces_tokens(llm, first_run):
+    first = first_run.token_ids[0]
+    banned = llm.generate(PROMPTS[0], greedy(4, logit_bias={first: -100}))[0].outputs[0]
+    assert banned.token_ids[0] != first
+    forced = llm.generate(PROMPTS[0], SamplingParams(temperature=0.7, seed=1, max_tokens=5,
+                                                     logit_bias={"17": 100}))[0].outputs[0]
+    assert forced.token_ids == [17] * 5
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(InvalidRequestError, match="logit_bias") as err:
+        llm.engine.add_request("big-id", PROMPTS[0], greedy(2, logit_bias={vocab: 1}))
+    assert err.value.fields == ["logit_bias"] and not llm.engine.has_unfinished_requests()
 
 # ---- seeded sampling --------------------------------------------------------------------------
 

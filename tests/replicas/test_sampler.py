@@ -158,3 +158,37 @@ def test_logprobs_match_log_softmax():
 def test_row_count_mismatch_is_an_error():
     with pytest.raises(ValueError, match="2 logits rows for 1 sequences"):
         Sampler().sample(torch.zeros(2, 4), seqs_for([SamplingParams()]))
+
+
+ON_DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+
+
+@ON_DEVICES
+def test_min_tokens_masks_eos_and_stop_ids_until_reached(device):
+    """Short of min_tokens, EOS (unless ignore_eos) and the stop token ids cannot be sampled; from then on they can;
+    logprobs stay the model's."""
+    logits = torch.zeros(4, 8, device=device)
+    logits[:, 2] = 5.0  # EOS, the greedy pick
+    logits[:, 6] = 4.0  # a stop token id, second
+    params = [SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6, 99], logprobs=1),  # 99: past the vocab
+              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6], ignore_eos=True),
+              SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[6]),
+              SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[6], seed=0)]
+    seqs = seqs_for(params, outputs=[1, 1])  # two tokens generated so far
+    for s in seqs:
+        s.eos_token_ids = frozenset({2})
+    out = Sampler().sample(logits, seqs)
+    assert out.token_ids.tolist()[:3] == [0, 2, 2] and out.token_ids[3] not in (2, 6)
+    assert out.logprobs[0].top_token_ids == [2]  # the raw distribution, EOS first
+    assert logits[0, 2] == 5.0  # the input is left alone
+
+
+@ON_DEVICES
+def test_logit_bias_forces_and_bans_tokens(device):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)).to(device)
+    top = logits.argmax(-1)
+    params = [SamplingParams(temperature=0, logit_bias={int(top[0]): -100}),
+              SamplingParams(temperature=1.0, logit_bias={7: 100}, seed=3),
+              SamplingParams(temperature=0)]
+    out = Sampler().sample(logits, seqs_for(params)).token_ids
+    assert out[0] == logits[0].topk(2).indices[1] and out[1] == 7 and out[2] == top[2]

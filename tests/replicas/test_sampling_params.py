@@ -42,6 +42,12 @@ def test_defaults_are_valid():
         ("frequency_penalty", -2.5),
         ("repetition_penalty", 0.0),
         ("ignore_eos", "yes"),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # past max_tokens (16)
+        ("logit_bias", {5: 100.5}),
+        ("logit_bias", {-1: 1}),
+        ("logit_bias", {"a": 1}),
+        ("logit_bias", [5]),
     ],
 )
 def test_bad_value_names_field(field, value):
@@ -83,3 +89,9 @@ def test_unknown_adapter_is_a_lora_error():
     e = UnknownAdapterError("adapter 'x' is not registered")
     assert isinstance(e, UnknownLoRAError) and isinstance(e, EngineError)
     assert str(e) == "adapter 'x' is not registered"
+
+
+def test_logit_bias_takes_openais_string_ids():
+    """JSON object keys are strings: OpenAI's {"50256": -100} names token 50256."""
+    assert SamplingParams(logit_bias={"50256": -100, 7: 2}).logit_bias == {50256: -100.0, 7: 2.0}
+    assert SamplingParams(min_tokens=16).min_tokens == 16 and SamplingParams(logit_bias={}).logit_bias == {}

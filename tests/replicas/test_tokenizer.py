@@ -197,3 +197,15 @@ def test_stop_strings_on_random_ids(tok):
         stop = full[i:i + rng.randint(1, 8)]
         text, deltas, detok = stream(tok, ids, chunks=rng.randint(1, 2), stop=[stop, "\x00never"])
         assert text == full[:full.find(stop)] and detok.stop_str == stop
+
+
+def test_no_stop_string_fires_before_min_tokens(tok):
+    """A stop string the first min_tokens - 1 ids complete is output; the min_tokens-th id may complete one (as
+    in vLLM, which looks from then on), and the next one stops the output."""
+    ids = tok.encode("one two one two one", add_special_tokens=False)
+    first_two = len(tok.encode("one two", add_special_tokens=False))
+    assert stream(tok, ids, stop=["two"])[0] == "one "
+    assert stream(tok, ids, stop=["two"], min_tokens=first_two)[0] == "one "
+    detok = IncrementalDetokenizer(tok, stop=["two"], min_tokens=first_two + 1)
+    text = "".join(detok.add_tokens([i]).text for i in ids) + detok.finish().text
+    assert text == "one two one " and detok.stop_str == "two"
