@@ -38,6 +38,7 @@ from replicas.executor import make_executor
 from replicas.model_runner import RunnerConfig, StepInput
 from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.parallel_sampling import FanOut, child_id, child_params
+from replicas.request_inputs import check_token_ids, checked_settings, prompt_ids
 from replicas.sampled_step import SampledStep
 from replicas.sampler import Sampler
 from replicas.sampling_params import SamplingParams
@@ -171,16 +172,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         """Queue a request; with params.n > 1, n child sequences that report as one (parallel_sampling.py)."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError([("sampling_params", f"must be SamplingParams, got {type(params).__name__}")])
-        if lora_request is not None and not isinstance(lora_request, LoRARequest):
-            raise InvalidRequestError([("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")])
-        text, ids = self._tokenize(prompt)
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError([("logit_bias", f"SamplingParams.logit_bias names token id "
-                                        f"{max(params.logit_bias)}, outside the vocabulary [0, {vocab})")])
+        params = checked_settings(params, lora_request)
+        text, ids = prompt_ids(self.tokenizer, self.model_config.vocab_size, prompt)
+        check_token_ids(params, self.model_config.vocab_size)
         children = [(request_id, params)] if params.n == 1 else [
             (child_id(request_id, i), child_params(params, i)) for i in range(params.n)]
         for rid in {request_id, *(cid for cid, _ in children)}:
@@ -217,19 +211,6 @@ class LLMEngine:
         self._requests[request_id] = _Request(seq, text, detok, lora_request.lora_name if lora_request else None,
                                               [] if params.logprobs is not None else None)
         return seq
-
-    def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError([("prompt", "the prompt is empty")])
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            vocab = self.model_config.vocab_size
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
-                raise InvalidRequestError([("prompt_token_ids", f"must be a list of token ids in [0, {vocab})")])
-            return None, list(ids)
-        raise InvalidRequestError([("prompt", "must be a string or {'prompt_token_ids': [...]}")])
 
     def abort(self, request_id: str) -> bool:
         if request_id in self._fanout:

@@ -1,0 +1,45 @@
+"""A request's inputs checked against the served model before anything is queued.
+
+The prompt (text, or token ids inside the vocabulary), the settings' types, and the token ids that the
+sampling settings name (logit_bias). SamplingParams checks its own values without knowing the model;
+what needs the model is here. Each problem is an InvalidRequestError naming its field, raised before the
+engine changes anything.
+"""
+
+from __future__ import annotations
+
+from lora_core.request import LoRARequest
+from replicas.errors import InvalidRequestError
+from replicas.sampling_params import SamplingParams
+from replicas.tokenizer import Tokenizer
+
+
+def checked_settings(params: SamplingParams | None, lora_request: LoRARequest | None) -> SamplingParams:
+    """params (default SamplingParams()) after checking both arguments' types."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError([("sampling_params", f"must be SamplingParams, got {type(params).__name__}")])
+    if lora_request is not None and not isinstance(lora_request, LoRARequest):
+        raise InvalidRequestError([("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")])
+    return params
+
+
+def prompt_ids(tokenizer: Tokenizer, vocab: int, prompt: str | dict) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt given as a string or as {"prompt_token_ids": [...]}."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError([("prompt", "the prompt is empty")])
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+            raise InvalidRequestError([("prompt_token_ids", f"must be a list of token ids in [0, {vocab})")])
+        return None, list(ids)
+    raise InvalidRequestError([("prompt", "must be a string or {'prompt_token_ids': [...]}")])
+
+
+def check_token_ids(params: SamplingParams, vocab: int) -> None:
+    """The tokens logit_bias names are in the vocabulary (a stop token id past it can never be sampled: harmless)."""
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        raise InvalidRequestError([("logit_bias", f"SamplingParams.logit_bias names token id "
+                                    f"{max(params.logit_bias)}, outside the vocabulary [0, {vocab})")])
