@@ -130,7 +130,10 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
             if len(prompt) != 1:
                 return error_response(InvalidRequestError([("prompt", "send one prompt per request")]))
             prompt = prompt[0]
-        req = GenerateRequest(body.model, body.sampling(backend.default_max_tokens, body.logprobs), prompt=prompt)
+        sampling = body.sampling(backend.default_max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the prompt's tokens come back with their logprobs too
+            sampling["prompt_logprobs"] = body.logprobs
+        req = GenerateRequest(body.model, sampling, prompt=prompt)
         return await _respond(req, body, _CompletionFormat(body, backend))
 
     @app.post("/v1/chat/completions")
@@ -164,6 +167,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
         async def events() -> AsyncIterator[str]:
             deltas, last = CompletionDeltas(), first
+            fmt.begin(first)
             try:
                 async for out in _achain(first, stream):
                     timing.token(out)
@@ -235,7 +239,11 @@ class _Format:
         chunk["usage"] = self.usage(out)
         return chunk
 
+    def begin(self, first: RequestOutput) -> None:
+        """A stream's first output, before any chunk."""
+
     def full(self, out: RequestOutput) -> dict:
+        self.begin(out)
         body = self._envelope(self.object_full, [self.choice(c) for c in out.outputs])
         body["usage"] = self.usage(out)
         return body
@@ -245,18 +253,40 @@ class _CompletionFormat(_Format):
     object_full = object_chunk = "text_completion"
     prefix = "cmpl"
 
+    # echo: the prompt's text leads each choice's text (streamed: its first chunk), and with logprobs its tokens
+    # lead the logprobs, the first with none (nothing predicts it), as OpenAI's legacy API and vLLM give them:
+    # what scoring a text's likelihood (e.g. lm-evaluation-harness) reads.
+    _echo_text = ""
+    _echo_ids: list[int] = []
+    _echo_logprobs: list | None = None
+
+    def begin(self, first: RequestOutput) -> None:
+        if self.body.echo:
+            decode = self.backend.decode_token
+            self._echo_ids, self._echo_logprobs = first.prompt_token_ids, first.prompt_logprobs
+            self._echo_text = first.prompt if first.prompt is not None else "".join(map(decode, first.prompt_token_ids))
+            self._echoed: set[int] = set()
+
     def _logprobs(self, c: CompletionOutput) -> dict | None:
         if c.logprobs is None:
             return None
         decode = self.backend.decode_token
-        return {"tokens": [decode(t) for t in c.token_ids],
-                "token_logprobs": [lp.get(t) for lp, t in zip(c.logprobs, c.token_ids)],
-                "top_logprobs": [{decode(k): v for k, v in lp.items()} for lp in c.logprobs], "text_offset": None}
+        ids, steps = list(c.token_ids), list(c.logprobs)
+        if self._echo_logprobs is not None:
+            ids, steps = self._echo_ids + ids, self._echo_logprobs + steps
+        return {"tokens": [decode(t) for t in ids],
+                "token_logprobs": [None if lp is None else lp.get(t) for lp, t in zip(steps, ids)],
+                "top_logprobs": [None if lp is None else {decode(k): v for k, v in lp.items()} for lp in steps],
+                "text_offset": None}
 
     def choice(self, c: CompletionOutput) -> dict:
-        return {"index": c.index, "text": c.text, "logprobs": self._logprobs(c), "finish_reason": c.finish_reason}
+        return {"index": c.index, "text": self._echo_text + c.text, "logprobs": self._logprobs(c),
+                "finish_reason": c.finish_reason}
 
     def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
+        if self.body.echo and c.index not in self._echoed:
+            self._echoed.add(c.index)
+            delta = self._echo_text + delta
         if not delta and not finished:
             return None
         return self._envelope(self.object_chunk, [{"index": c.index, "text": delta, "logprobs": None,

@@ -85,9 +85,10 @@ class BlockManager:
         """Blocks already holding a prefix of seq, for its adapter.
 
         The last token is never taken from the cache: the model must run on at
-        least one token to produce the next token's logits.
+        least one token to produce the next token's logits. A sequence asking
+        for prompt logprobs takes nothing: cached positions would have none.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         tokens = seq.all_token_ids
         bs, lora_id = self.block_size, seq.lora_int_id

@@ -30,6 +30,7 @@ import torch
 
 from lora_core.errors import LoRAError
 from lora_core.request import LoRARequest
+from replicas import prompt_logprobs
 from replicas.block_manager import BlockManager
 from replicas.engine_adapters import EngineAdapters
 from replicas.engine_args import EngineArgs  # also imported from here, as replicas.engine.EngineArgs
@@ -57,9 +58,12 @@ class _Request:
     # The prompt's ids as every output reports them: copied once, not per step (a long prompt's copy,
     # for every running request at every step, adds up to milliseconds of host time).
     prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prefill goes (prompt_logprobs.py)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.seq.prompt_token_ids)
+        if self.seq.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
 
 class LLMEngine:
@@ -186,7 +190,8 @@ class LLMEngine:
             self._fanout.add(request_id, params.n)
         # The others wait for the first to compute the prompt, then share its full blocks (scheduler.py).
         bm = self.scheduler.block_manager
-        leader = first if bm.enable_prefix_caching and len(ids) > bm.block_size else None
+        shared = bm.enable_prefix_caching and len(ids) > bm.block_size and params.prompt_logprobs is None
+        leader = first if shared else None
         for cid, child in children[1:]:
             self._add_sequence(cid, child, text, ids, lora_request, leader)
 
@@ -264,7 +269,13 @@ class LLMEngine:
             out.scheduled = [s for s in out.scheduled if not s.seq.is_finished]  # stopped: blocks freed
         logits = None
         if out.scheduled:
-            logits = self.executor.execute(*self._step_input(out, previous))
+            step_input, previous_tokens = self._step_input(out, previous)
+            step_input.prompt_logprob_rows, spans = prompt_logprobs.plan(out.scheduled)
+            logits = self.executor.execute(step_input, previous_tokens)
+            if spans:  # the rows after the sampled ones
+                sampled = len(step_input.sample_rows)
+                prompt_logprobs.record(logits[sampled:], spans, self._prompt_logprobs_of)
+                logits = logits[:sampled]
         if later:
             failed = self._collect_loads(block=False)
         if out.scheduled:
@@ -372,6 +383,10 @@ class LLMEngine:
             step.sample_lora_ids += [seq.lora_int_id] if s.samples else []
         return step, previous.sampled.token_ids if step.fill_rows else None
 
+    def _prompt_logprobs_of(self, seq: Sequence) -> list | None:
+        state = self._requests.get(seq.request_id)
+        return state.prompt_logprobs if state is not None and state.seq is seq else None
+
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self._requests[seq.request_id]
         text = state.detok.text
@@ -382,7 +397,7 @@ class LLMEngine:
         completion = CompletionOutput(0, text, list(seq.output_token_ids), logprobs,
                                       seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.request_id, state.prompt, state.prompt_token_ids, [completion],
-                             seq.is_finished, state.lora_name)
+                             seq.is_finished, state.lora_name, prompt_logprobs=state.prompt_logprobs)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

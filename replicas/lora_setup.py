@@ -54,8 +54,10 @@ def build_lora(model: torch.nn.Module, cfg: "RunnerConfig", ctx: ParallelContext
                                host_pool_shared=processes > 0,
                                compact_slots=bool(stacked) and cfg.lora_compact_slots)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    # LM-head rows: a step's sampled rows, and the rows that give prompt logprobs (up to every token's)
     punica = PunicaWrapper(cfg.max_num_batched_tokens, lora_config.max_loras, device,
-                           max_num_prompts=cfg.max_num_seqs, stacked_max_tokens=stacked_tokens,
+                           max_num_prompts=cfg.max_num_seqs + cfg.max_num_batched_tokens,
+                           stacked_max_tokens=stacked_tokens,
                            stacked_max_idle_slots=max_idle_slots(lora_config.max_lora_rank),
                            fused_max_adapters=fused_max_adapters(cfg.lora_fused_max_adapters, stacked_tokens,
                                                                  lora_config.max_lora_rank, device_name),

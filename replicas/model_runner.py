@@ -55,6 +55,8 @@ class StepInput:
     # back yet; execute() copies them on the device from that step's tokens (row fill_from[i]).
     fill_rows: list[int] = field(default_factory=list)
     fill_from: list[int] = field(default_factory=list)
+    # Rows whose logits give prompt logprobs (replicas/prompt_logprobs.py), returned after the sampled rows'.
+    prompt_logprob_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -290,7 +292,9 @@ class ModelRunner:
         """Adapter ids of the step's token rows and sampled rows: all 0 while the one adapter they use runs
         merged into the base weights (the merger decides, and merges or unmerges here)."""
         tokens = step.token_lora_ids or [0] * len(step.input_ids)
+        # the rows that give prompt logprobs go through the LM head after the sampled ones, with their adapters
         sampled = step.sample_lora_ids or [0] * len(step.sample_rows)
+        sampled = sampled + [tokens[r] for r in step.prompt_logprob_rows]
         merger = self.merger
         if merger is None:
             return tokens, sampled
@@ -327,9 +331,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the step; returns float32 logits [len(sample_rows), vocab]. previous_tokens: the previous step's
-        sampled token ids, on this device, when step.fill_rows names input rows that take one of them. Rank 0
-        has them (it samples) and sends them to the other tensor-parallel ranks, which pass None."""
+        """Run the step; returns float32 logits [len(sample_rows) + len(prompt_logprob_rows), vocab].
+        previous_tokens: the previous step's sampled token ids, on this device, when step.fill_rows names input
+        rows that take one of them. Rank 0 has them (it samples) and sends them to the other tensor-parallel
+        ranks, which pass None."""
         dev = self.device
         n = len(step.input_ids)
         batch = self._graph_batch(step)
@@ -363,5 +368,5 @@ class ModelRunner:
             fill(input_ids)
             positions = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        rows = torch.tensor(step.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+        rows = torch.tensor(step.sample_rows + step.prompt_logprob_rows, dtype=torch.long).to(dev, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()

@@ -25,6 +25,8 @@ class RequestOutput:
     finished: bool = False
     lora_name: str | None = None
     error: Exception | None = None  # set when this request failed; the engine kept serving the others
+    # SamplingParams.prompt_logprobs: per prompt token {token: logprob} (None for the first), else None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class CompletionDeltas:

@@ -2,8 +2,9 @@
 
 A request with n > 1 runs as n child sequences of n = 1, scheduled like any others (one adapter load serves
 them all; with prefix caching the later children wait until the first has computed the prompt, then share
-its blocks: scheduler.py), and reports as one RequestOutput whose outputs are the n completions, index 0..n-1. With a seed, child i samples
-with seed + i, so the n completions differ and the request is reproducible; greedy children agree.
+its blocks: scheduler.py), and reports as one RequestOutput whose outputs are the n completions, index
+0..n-1. With a seed, child i samples with seed + i, so the n completions differ and the request is
+reproducible; greedy children agree.
 
 FanOut keeps the parents: the engine adds the children (child_id, child_params), passes every step's outputs
 through merge (one output per parent touched by the step, in place of its children's), and aborts a
@@ -48,7 +49,8 @@ class _Parent:
         first = self.first
         outputs = [self.latest.get(i) or CompletionOutput(i, "", [], None, None) for i in range(self.n)]
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, outputs,
-                             error is not None or len(self.finished) == self.n, first.lora_name, error)
+                             error is not None or len(self.finished) == self.n, first.lora_name, error,
+                             first.prompt_logprobs)
 
 
 class FanOut:

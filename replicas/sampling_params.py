@@ -44,7 +44,8 @@ class SamplingParams:
     stop_token_ids and EOS by the scheduler; before min_tokens generated tokens none of them can end it (EOS
     and the stop ids cannot be sampled, stop strings are not looked for), as in vLLM. logit_bias (OpenAI's)
     adds a bias in [-100, 100] to the named tokens' logits before sampling (the engine checks the ids against
-    the vocabulary). Invalid values raise InvalidRequestError naming every field at fault.
+    the vocabulary). prompt_logprobs=k gives each prompt token's logprob and its position's top k
+    (replicas/prompt_logprobs.py). Invalid values raise InvalidRequestError naming every field at fault.
     """
 
     n: int = 1
@@ -65,6 +66,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -102,8 +104,10 @@ class SamplingParams:
             bad("stop_token_ids", "a list of token ids >= 0")
         else:
             self.stop_token_ids = list(self.stop_token_ids)
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_num(v) or not -2 <= v <= 2:

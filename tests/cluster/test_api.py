@@ -157,6 +157,31 @@ def test_logit_bias_and_min_tokens(stack):
     assert held.choices[0].text == plain.choices[0].text
     assert "logit_bias" in errors[0] and "min_tokens" in errors[1]
 
+
+def test_echo_returns_the_prompt_with_its_logprobs(stack):
+    """echo (OpenAI's legacy completions, as lm-evaluation-harness scores a text): the prompt leads the text, and
+    with logprobs its tokens lead the logprobs, the first with none. Streamed, the first chunk carries it."""
+    prompt = "The quick brown fox jumps over"
+    kw = dict(model="demo-sql", prompt=prompt, max_tokens=2, temperature=0)
+
+    async def go(c):
+        plain = await c.completions.create(logprobs=1, **kw)
+        echoed = await c.completions.create(logprobs=1, echo=True, **kw)
+        chunks = [ch async for ch in await c.completions.create(echo=True, stream=True, **kw)]
+        return plain, echoed, chunks
+
+    plain, echoed, chunks = run(stack, go)
+    text = plain.choices[0].text
+    assert echoed.choices[0].text == prompt + text
+    lp, mine = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    n = len(lp.tokens) - len(mine.tokens)
+    assert n == echoed.usage.prompt_tokens and "".join(lp.tokens[:n]).endswith(prompt)  # after the BOS token's
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:n]) and all(lp.tokens[i] in lp.top_logprobs[i] for i in range(1, n))
+    assert lp.token_logprobs[n:] == pytest.approx(mine.token_logprobs, abs=1e-4)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == prompt + text
+    assert chunks[0].choices[0].text.startswith(prompt)
+
 def test_load_adapter_at_run_time_then_use_it(stack):
     root = stack[3]
 

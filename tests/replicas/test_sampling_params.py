@@ -38,6 +38,8 @@ def test_defaults_are_valid():
         ("stop_token_ids", [-1]),
         ("logprobs", 21),
         ("logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", 1.5),
         ("presence_penalty", 2.5),
         ("frequency_penalty", -2.5),
         ("repetition_penalty", 0.0),

@@ -1,0 +1,67 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs, vLLM's): each prompt token's logprob under the model, with
+the top-k of its position, as the prefill computes them.
+
+The logits at prompt position p predict token p + 1, so a prefill chunk over positions [start, start + n)
+gives the entries of tokens start + 1 .. start + n that are in the prompt (the last prompt position's logits
+are the sampled row's). The runner computes logits for these rows after the sampled ones
+(StepInput.prompt_logprob_rows); recording them reads them back to the host, a sync that only steps holding
+such rows pay, and holds a [rows, vocab] float32 block for the step (a 2,048-token chunk of a 128 K vocabulary:
+1 GiB). A request asking for them computes its whole prompt: prefix caching would leave the cached positions
+without logits (block_manager.py). Entry 0 (the first token, which nothing predicts) is None, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence as Seq
+
+import torch
+
+from replicas.scheduler import ScheduledSequence
+from replicas.sequence import Sequence
+
+
+@dataclass
+class PromptRows:
+    seq: Sequence
+    first: int  # prompt position of the span's first row (it predicts token first + 1)
+    row: int  # that row's index among the step's prompt-logprob rows
+    count: int
+
+
+def plan(scheduled: Seq[ScheduledSequence]) -> tuple[list[int], list[PromptRows]]:
+    """(input rows whose logits give prompt logprobs, their spans) for a step's sequences laid end to end."""
+    rows: list[int] = []
+    spans: list[PromptRows] = []
+    offset = 0
+    for s in scheduled:
+        seq = s.seq
+        end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+        if seq.sampling_params.prompt_logprobs is not None and s.start < end:
+            spans.append(PromptRows(seq, s.start, len(rows), end - s.start))
+            rows += range(offset, offset + end - s.start)
+        offset += s.num_new_tokens
+    return rows, spans
+
+
+def record(logits: torch.Tensor, spans: Seq[PromptRows], entries: Callable[[Sequence], list | None]) -> None:
+    """logits [len(rows), vocab]: each span's entries ({token: logprob} of the prompt token and its position's
+    top-k) appended to entries(seq), a list whose length is the next prompt token's index; entries a preempted
+    sequence computes again are not appended twice."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    for span in spans:
+        out = entries(span.seq)
+        if out is None:
+            continue
+        ids = span.seq.prompt_token_ids[span.first + 1 : span.first + 1 + span.count]
+        part = logprobs[span.row : span.row + span.count]
+        chosen = part.gather(1, torch.tensor(ids, device=part.device).unsqueeze(1)).squeeze(1).tolist()
+        k = span.seq.sampling_params.prompt_logprobs
+        top_values, top_ids = part.topk(k, dim=-1) if k else (None, None)
+        top_values = top_values.tolist() if k else [[]] * len(ids)
+        top_ids = top_ids.tolist() if k else [[]] * len(ids)
+        for j, token in enumerate(ids):
+            if span.first + 1 + j == len(out):
+                entry = dict(zip(top_ids[j], top_values[j]))
+                entry[token] = chosen[j]
+                out.append(entry)
