@@ -260,8 +260,10 @@ class ModelRunner:
         """Static decode buffers over this runner's model; capture=False runs them eagerly (CPU tests)."""
         cfg, mc = self.cfg, self.model_config
         max_len = cfg.max_model_len or mc.max_position_embeddings
+        # A decode step has a row per sequence, and no step more rows than the token budget
+        max_batch = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         return DecodeGraphs(self._forward, self.punica.launch_key if self.punica else lambda: None,
-                            cfg.max_num_seqs, -(-max_len // cfg.block_size), cfg.block_size, self.num_blocks,
+                            max_batch, -(-max_len // cfg.block_size), cfg.block_size, self.num_blocks,
                             mc.vocab_size, self.device, capture)
 
     def build_piecewise_graphs(self, capture: bool) -> PiecewiseGraphs:

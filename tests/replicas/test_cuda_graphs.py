@@ -111,6 +111,15 @@ def test_padded_static_decode_equals_eager(demo, loras):
         assert not k_e[pad].any() and k_p[pad].any()
 
 
+
+def test_decode_graphs_stop_at_the_token_budget(demo):
+    """No step has more rows than max_num_batched_tokens: decode graphs past it were captured for nothing and, on a
+    GPU, failed the warm-up (LoRA metadata is sized for the budget) when it was below max_num_seqs."""
+    llm = LLM(str(demo.model_dir), **_kwargs(max_num_seqs=64, max_num_batched_tokens=16))
+    assert llm.engine.executor.runner.build_decode_graphs(capture=False).sizes[-1] == 16
+    out = llm.generate(["Hello"] * 20, SamplingParams(temperature=0.0, max_tokens=3))
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 3 for o in out)
+
 def test_prefill_and_oversized_steps_stay_eager(demo, loras):
     llm = LLM(str(demo.model_dir), **_kwargs(max_num_seqs=4))
     runner = llm.engine.executor.runner
