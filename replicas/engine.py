@@ -270,7 +270,9 @@ class LLMEngine:
         logits = None
         if out.scheduled:
             step_input, previous_tokens = self._step_input(out, previous)
-            step_input.prompt_logprob_rows, spans = prompt_logprobs.plan(out.scheduled)
+            spans = []
+            if step_input.is_prefill:  # only prompt chunks give prompt logprobs: decode steps skip the look
+                step_input.prompt_logprob_rows, spans = prompt_logprobs.plan(out.scheduled)
             logits = self.executor.execute(step_input, previous_tokens)
             if spans:  # the rows after the sampled ones
                 sampled = len(step_input.sample_rows)

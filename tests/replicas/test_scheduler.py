@@ -229,7 +229,8 @@ def test_siblings_wait_for_the_leaders_prompt_then_share_its_blocks():
     out, _ = step(s)  # prompt computed: each sibling computes only the tokens past the leader's 2 full blocks
     assert {x.seq.request_id: x.num_new_tokens for x in out.scheduled} == {"p#0": 1, "other": 1, "p#1": 2, "p#2": 2}
     assert [s.requests[f"p#{i}"].num_cached_tokens for i in (1, 2)] == [8, 8]
-    assert s.requests["p#1"].prefix_leader is None and s.requests["p#1"].block_table[:2] == s.requests["p#0"].block_table[:2]
+    first, second = s.requests["p#0"], s.requests["p#1"]
+    assert second.prefix_leader is None and second.block_table[:2] == first.block_table[:2]
 
 
 @pytest.mark.parametrize("leader_ends", ["abort", "stop"])
