@@ -12,6 +12,7 @@ import json
 import secrets
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from cluster import prompt_batch
 from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapterSourceError, OverloadedError,
                             SourceUnavailableError, remote_cause)
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
@@ -123,18 +125,17 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            prompt = {"prompt_token_ids": prompt}
-        elif isinstance(prompt, list):
-            if len(prompt) != 1:
-                return error_response(InvalidRequestError([("prompt", "send one prompt per request")]))
-            prompt = prompt[0]
+        try:
+            prompts = _prompts(body.prompt)
+        except InvalidRequestError as exc:
+            return error_response(exc)
         sampling = body.sampling(backend.default_max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:  # the prompt's tokens come back with their logprobs too
             sampling["prompt_logprobs"] = body.logprobs
-        req = GenerateRequest(body.model, sampling, prompt=prompt)
-        return await _respond(req, body, _CompletionFormat(body, backend))
+        reqs = [GenerateRequest(body.model, sampling, prompt=prompt) for prompt in prompts]
+        if len(reqs) > 1:
+            return await _respond_many(reqs, body, _CompletionFormat(body, backend))
+        return await _respond(reqs[0], body, _CompletionFormat(body, backend))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
@@ -186,8 +187,63 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def _respond_many(reqs: list[GenerateRequest], body: Any, fmt: "_Format"):
+        """Several prompts side by side (cluster/prompt_batch.py); choice i * n + j: prompt i's completion j."""
+        start, n = time.monotonic(), body.n
+        streams = [backend.generate(r) for r in reqs]
+        try:
+            firsts = await prompt_batch.first_outputs(streams)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        timings = [_Timing(metrics, body.model, start) for _ in reqs]
+        if not body.stream:
+            try:
+                lasts = await prompt_batch.last_outputs(firsts, streams)
+            except Exception as exc:  # noqa: BLE001
+                return error_response(exc)
+            for timing, out in zip(timings, lasts):
+                timing.done(out)
+            return JSONResponse(fmt.full(*lasts))
+
+        async def events() -> AsyncIterator[str]:
+            deltas, lasts = [CompletionDeltas() for _ in reqs], list(firsts)
+            for i, first in enumerate(firsts):
+                fmt.begin(first, base=i * n)
+            try:
+                async for i, out in prompt_batch.merged(firsts, streams):
+                    timings[i].token(out)
+                    lasts[i] = out
+                    for c, delta, _, finished in deltas[i](out):
+                        chunk = fmt.chunk(delta, replace(c, index=i * n + c.index), finished)
+                        if chunk is not None:
+                            yield f"data: {json.dumps(chunk)}\n\n"
+            except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band, then close
+                yield f"data: {error_response(exc).body.decode()}\n\n"
+            else:
+                for timing, out in zip(timings, lasts):
+                    timing.done(out)
+                if (body.stream_options or {}).get("include_usage"):
+                    yield f"data: {json.dumps(fmt.usage_chunk(*lasts))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     app.state.metrics = metrics
     return app
+
+
+def _prompts(prompt: Any) -> list[str | dict]:
+    """/v1/completions' prompt as engine prompts: a string, token ids, or a list of either (several prompts)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if not prompt:
+        raise InvalidRequestError([("prompt", "the prompt list is empty")])
+    if len(prompt) > prompt_batch.MAX_PROMPTS:
+        raise InvalidRequestError([("prompt", f"at most {prompt_batch.MAX_PROMPTS} prompts a request, "
+                                              f"got {len(prompt)}")])
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
 async def _achain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -230,22 +286,29 @@ class _Format:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model, "choices": choices}
 
     @staticmethod
-    def usage(out: RequestOutput) -> dict:
-        p, g = len(out.prompt_token_ids), sum(len(choice.token_ids) for choice in out.outputs)
+    def usage(*outs: RequestOutput) -> dict:
+        """Tokens of one request's outputs, or summed over several prompts'."""
+        p = sum(len(out.prompt_token_ids) for out in outs)
+        g = sum(len(choice.token_ids) for out in outs for choice in out.outputs)
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
+    def usage_chunk(self, *outs: RequestOutput) -> dict:
         chunk = self._envelope(self.object_chunk, [])
-        chunk["usage"] = self.usage(out)
+        chunk["usage"] = self.usage(*outs)
         return chunk
 
-    def begin(self, first: RequestOutput) -> None:
-        """A stream's first output, before any chunk."""
+    def begin(self, first: RequestOutput, base: int = 0) -> None:
+        """A prompt's first output, before any of its chunks; its choices are numbered from base."""
 
-    def full(self, out: RequestOutput) -> dict:
-        self.begin(out)
-        body = self._envelope(self.object_full, [self.choice(c) for c in out.outputs])
-        body["usage"] = self.usage(out)
+    def full(self, *outs: RequestOutput) -> dict:
+        """The whole response of one prompt's final output, or of several prompts' (choice i * n + j)."""
+        choices = []
+        for i, out in enumerate(outs):
+            base = i * self.body.n
+            self.begin(out, base)
+            choices += [self.choice(replace(c, index=base + c.index)) for c in out.outputs]
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = self.usage(*outs)
         return body
 
 
@@ -256,37 +319,43 @@ class _CompletionFormat(_Format):
     # echo: the prompt's text leads each choice's text (streamed: its first chunk), and with logprobs its tokens
     # lead the logprobs, the first with none (nothing predicts it), as OpenAI's legacy API and vLLM give them:
     # what scoring a text's likelihood (e.g. lm-evaluation-harness) reads.
-    _echo_text = ""
-    _echo_ids: list[int] = []
-    _echo_logprobs: list | None = None
+    def __init__(self, body: Any, backend: Any) -> None:
+        super().__init__(body, backend)
+        self._prompt_of: dict[int, RequestOutput] = {}  # choice index -> an output of its prompt (echo)
+        self._echoed: set[int] = set()  # choices whose first chunk went out
 
-    def begin(self, first: RequestOutput) -> None:
+    def begin(self, first: RequestOutput, base: int = 0) -> None:
         if self.body.echo:
-            decode = self.backend.decode_token
-            self._echo_ids, self._echo_logprobs = first.prompt_token_ids, first.prompt_logprobs
-            self._echo_text = first.prompt if first.prompt is not None else "".join(map(decode, first.prompt_token_ids))
-            self._echoed: set[int] = set()
+            self._prompt_of.update({base + c.index: first for c in first.outputs})
+
+    def _echo_text(self, index: int) -> str:
+        prompt = self._prompt_of.get(index)
+        if prompt is None:
+            return ""
+        return prompt.prompt if prompt.prompt is not None else "".join(map(self.backend.decode_token,
+                                                                           prompt.prompt_token_ids))
 
     def _logprobs(self, c: CompletionOutput) -> dict | None:
         if c.logprobs is None:
             return None
         decode = self.backend.decode_token
         ids, steps = list(c.token_ids), list(c.logprobs)
-        if self._echo_logprobs is not None:
-            ids, steps = self._echo_ids + ids, self._echo_logprobs + steps
+        prompt = self._prompt_of.get(c.index)
+        if prompt is not None and prompt.prompt_logprobs is not None:
+            ids, steps = prompt.prompt_token_ids + ids, prompt.prompt_logprobs + steps
         return {"tokens": [decode(t) for t in ids],
                 "token_logprobs": [None if lp is None else lp.get(t) for lp, t in zip(steps, ids)],
                 "top_logprobs": [None if lp is None else {decode(k): v for k, v in lp.items()} for lp in steps],
                 "text_offset": None}
 
     def choice(self, c: CompletionOutput) -> dict:
-        return {"index": c.index, "text": self._echo_text + c.text, "logprobs": self._logprobs(c),
+        return {"index": c.index, "text": self._echo_text(c.index) + c.text, "logprobs": self._logprobs(c),
                 "finish_reason": c.finish_reason}
 
     def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
-        if self.body.echo and c.index not in self._echoed:
+        if c.index not in self._echoed:
             self._echoed.add(c.index)
-            delta = self._echo_text + delta
+            delta = self._echo_text(c.index) + delta
         if not delta and not finished:
             return None
         return self._envelope(self.object_chunk, [{"index": c.index, "text": delta, "logprobs": None,

@@ -47,7 +47,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # a list of prompts: cluster/prompt_batch.py
     logprobs: int | None = None
     echo: bool = False
 

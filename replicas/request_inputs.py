@@ -33,9 +33,10 @@ def prompt_ids(tokenizer: Tokenizer, vocab: int, prompt: str | dict) -> tuple[st
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
-            raise InvalidRequestError([("prompt_token_ids", f"must be a list of token ids in [0, {vocab})")])
+            raise InvalidRequestError([("prompt_token_ids", f"prompt_token_ids must be a list of token ids in "
+                                                            f"[0, {vocab})")])
         return None, list(ids)
-    raise InvalidRequestError([("prompt", "must be a string or {'prompt_token_ids': [...]}")])
+    raise InvalidRequestError([("prompt", "the prompt must be a string or {'prompt_token_ids': [...]}")])
 
 
 def check_token_ids(params: SamplingParams, vocab: int) -> None:

@@ -182,6 +182,49 @@ def test_echo_returns_the_prompt_with_its_logprobs(stack):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == prompt + text
     assert chunks[0].choices[0].text.startswith(prompt)
 
+
+def test_several_prompts_in_one_request(stack):
+    """A prompt list (OpenAI's): choice i * n + j is completion j of prompt i, each what its prompt alone gives,
+    echo and logprobs per prompt, usage summed; streamed, the same texts. A bad prompt among them fails the
+    request whole and leaves nothing running."""
+    prompts = ["The quick brown fox", "SELECT name FROM", "Hello"]
+    kw = dict(model="demo-sql", max_tokens=3, temperature=1.0, seed=4, n=2)
+
+    async def go(c):
+        alone = [await c.completions.create(prompt=p, **kw) for p in prompts]
+        many = await c.completions.create(prompt=prompts, **kw)
+        echoed = await c.completions.create(prompt=prompts[:2], model="demo-sql", max_tokens=1, temperature=0,
+                                            echo=True, logprobs=1)
+        chunks = [ch async for ch in await c.completions.create(prompt=prompts, stream=True, **kw,
+                                                                stream_options={"include_usage": True})]
+        ids = await c.completions.create(prompt=[[5, 6, 7, 8], [9, 10]], **kw)
+        with pytest.raises(openai.BadRequestError, match="at most 256 prompts"):
+            await c.completions.create(prompt=["a"] * 257, **kw)
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.completions.create(prompt=[[5, 6], [10 ** 6]], **kw)  # the second is outside the vocabulary
+        engine = stack[2].engine.engine
+        for _ in range(200):  # the first prompt's request, aborted, leaves within a few steps
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return alone, many, echoed, chunks, ids, err.value
+
+    alone, many, echoed, chunks, ids, err = run(stack, go)
+    assert [ch.index for ch in ids.choices] == [0, 1, 2, 3] and ids.usage.prompt_tokens == 6
+    assert [ch.index for ch in many.choices] == list(range(6))
+    assert [ch.text for ch in many.choices] == [ch.text for a in alone for ch in a.choices]
+    assert many.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert [ch.text.startswith(p) for ch, p in zip(echoed.choices, prompts)] == [True, True]
+    assert [ch.logprobs.token_logprobs[0] for ch in echoed.choices] == [None, None]
+    streamed: dict[int, str] = {}
+    for chunk in chunks:
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert streamed == {ch.index: ch.text for ch in many.choices}
+    assert chunks[-1].usage.completion_tokens == many.usage.completion_tokens
+    assert "prompt_token_ids" in str(err) and not stack[2].engine.engine.has_unfinished_requests()
+
 def test_load_adapter_at_run_time_then_use_it(stack):
     root = stack[3]
 
