@@ -126,7 +126,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         try:
-            prompts = _prompts(body.prompt)
+            prompts = prompt_batch.engine_prompts(body.prompt)
         except InvalidRequestError as exc:
             return error_response(exc)
         sampling = body.sampling(backend.default_max_tokens, body.logprobs)
@@ -231,19 +231,6 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
     app.state.metrics = metrics
     return app
 
-
-def _prompts(prompt: Any) -> list[str | dict]:
-    """/v1/completions' prompt as engine prompts: a string, token ids, or a list of either (several prompts)."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return [{"prompt_token_ids": prompt}]
-    if not prompt:
-        raise InvalidRequestError([("prompt", "the prompt list is empty")])
-    if len(prompt) > prompt_batch.MAX_PROMPTS:
-        raise InvalidRequestError([("prompt", f"at most {prompt_batch.MAX_PROMPTS} prompts a request, "
-                                              f"got {len(prompt)}")])
-    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
 async def _achain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -11,11 +11,25 @@ prompt.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
+from replicas.errors import InvalidRequestError
 from replicas.outputs import RequestOutput
 
 MAX_PROMPTS = 256  # per request: more is one client flooding the queue through one connection
+
+
+def engine_prompts(prompt: Any) -> list[str | dict]:
+    """/v1/completions' prompt as engine prompts: a string, token ids, or a list of either (several prompts)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if not prompt:
+        raise InvalidRequestError([("prompt", "the prompt list is empty")])
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequestError([("prompt", f"at most {MAX_PROMPTS} prompts a request, got {len(prompt)}")])
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
 async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
