@@ -8,6 +8,7 @@ status codes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import time
@@ -210,13 +211,15 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
             for i, first in enumerate(firsts):
                 fmt.begin(first, base=i * n)
             try:
-                async for i, out in prompt_batch.merged(firsts, streams):
-                    timings[i].token(out)
-                    lasts[i] = out
-                    for c, delta, _, finished in deltas[i](out):
-                        chunk = fmt.chunk(delta, replace(c, index=i * n + c.index), finished)
-                        if chunk is not None:
-                            yield f"data: {json.dumps(chunk)}\n\n"
+                # aclosing: a client that goes away stops every prompt's request, not only this generator
+                async with contextlib.aclosing(prompt_batch.merged(firsts, streams)) as outputs:
+                    async for i, out in outputs:
+                        timings[i].token(out)
+                        lasts[i] = out
+                        for c, delta, _, finished in deltas[i](out):
+                            chunk = fmt.chunk(delta, replace(c, index=i * n + c.index), finished)
+                            if chunk is not None:
+                                yield f"data: {json.dumps(chunk)}\n\n"
             except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band, then close
                 yield f"data: {error_response(exc).body.decode()}\n\n"
             else:
@@ -230,7 +233,6 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     app.state.metrics = metrics
     return app
-
 
 
 async def _achain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
