@@ -39,7 +39,7 @@ _HTTP_TO_GRPC = {
 }
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "n", "min_tokens")
+                      "repetition_penalty", "n", "min_tokens", "logprobs", "prompt_logprobs")
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -129,17 +129,32 @@ async def generate_stream(backend: Any, msg: pb.GenerateRequest, grpc_context: A
     try:
         check_api_key(grpc_context, api_keys)
         request = request_from_proto(msg, backend.model_name, backend.default_max_tokens)
-        deltas = CompletionDeltas()
+        deltas, started = CompletionDeltas(), set()
         async for out in backend.generate(request):
             for c, delta_text, delta_ids, last in deltas(out):  # n > 1: a response per completion, by index
-                yield pb.GenerateResponse(
+                response = pb.GenerateResponse(
                     text=delta_text, token_ids=delta_ids, request_id=out.request_id, index=c.index,
                     finish_reason=(c.finish_reason or "") if last else "",
                     stop_reason="" if c.stop_reason is None or not last else str(c.stop_reason),
                     prompt_tokens=len(out.prompt_token_ids or []), completion_tokens=len(c.token_ids))
+                if c.logprobs is not None and delta_ids:  # the entries of the tokens new in this response
+                    response.logprobs.extend(map(_token_logprob, delta_ids, c.logprobs[-len(delta_ids):]))
+                if out.prompt_logprobs is not None and c.index not in started:
+                    response.prompt_logprobs.extend(map(_token_logprob, out.prompt_token_ids, out.prompt_logprobs))
+                started.add(c.index)
+                yield response
     except Exception as exc:  # noqa: BLE001 - becomes the RPC's status code
         _with_status(grpc_context, exc)
         raise
+
+
+def _token_logprob(token: int, entry: dict[int, float] | None) -> pb.TokenLogprob:
+    """A token's {token: logprob} entry (its own and its step's top k) as a message; None: no logprob."""
+    if entry is None:
+        return pb.TokenLogprob(token_id=token)
+    top = sorted(entry.items(), key=lambda kv: -kv[1])
+    return pb.TokenLogprob(token_id=token, logprob=entry[token],
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
 
 
 async def list_adapters(backend: Any, grpc_context: Any = None,

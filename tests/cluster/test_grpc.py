@@ -137,6 +137,23 @@ def test_generate_with_logit_bias_and_min_tokens(cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in err.value.details()
 
 
+def test_generate_with_logprobs_and_prompt_logprobs(cluster):
+    """A logprob per generated token (its own among its step's top k, most likely first), and the prompt's in
+    each completion's first response (the first prompt token's unset)."""
+    chunks = _stream(cluster.stub, prompt=PROMPT, max_tokens=4, temperature=0.0, logprobs=2, prompt_logprobs=1, n=2)
+    for index in (0, 1):
+        mine = [c for c in chunks if c.index == index]
+        assert [len(c.logprobs) for c in mine] == [len(c.token_ids) for c in mine]
+        for c in mine:
+            for lp, token in zip(c.logprobs, c.token_ids):
+                assert lp.token_id == token and lp.logprob <= 0 and len(lp.top) in (2, 3)
+                assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+                assert lp.top[0].token_id == token  # greedy: the most likely
+        prompt = mine[0].prompt_logprobs
+        assert len(prompt) == mine[0].prompt_tokens and all(not c.prompt_logprobs for c in mine[1:])
+        assert not prompt[0].HasField("logprob") and all(p.HasField("logprob") for p in prompt[1:])
+
+
 def test_errors_become_status_codes(cluster):
     with pytest.raises(grpc.RpcError) as err:
         _stream(cluster.stub, prompt="hi", adapter="no-such-adapter", max_tokens=2)
@@ -166,6 +183,8 @@ def test_request_from_proto():
     assert request_from_proto(pb.GenerateRequest(prompt="hi", n=3), "base", 16).sampling == {"max_tokens": 16, "n": 3}
     req = request_from_proto(pb.GenerateRequest(prompt="hi", min_tokens=2, logit_bias={5: -100.0, 9: 2.5}), "b", 16)
     assert req.sampling == {"max_tokens": 16, "min_tokens": 2, "logit_bias": {5: -100.0, 9: 2.5}}
+    req = request_from_proto(pb.GenerateRequest(prompt="hi", logprobs=0, prompt_logprobs=2), "b", 16)
+    assert req.sampling == {"max_tokens": 16, "logprobs": 0, "prompt_logprobs": 2}
     req = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")]), "base", 16)
     assert req.messages == [{"role": "user", "content": "x"}] and req.prompt is None
     for bad, field in [(pb.GenerateRequest(), "prompt"), (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt"),
