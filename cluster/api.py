@@ -2,8 +2,8 @@
 
 Routes: /v1/completions, /v1/chat/completions (SSE streaming with `stream`),
 /v1/models, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
-/health and /metrics. This is the one place where domain errors become HTTP
-status codes.
+/health and /metrics, vLLM's /tokenize and /detokenize (cluster/token_routes.py).
+This is the one place where domain errors become HTTP status codes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapte
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                               UnloadLoRAAdapterRequest)
 from cluster.server import GenerateRequest
+from cluster.token_routes import add_token_routes
 from lora_core.errors import InvalidAdapterError, LoRAConfigError, UnknownLoRAError
 from replicas.errors import EngineDeadError, InvalidRequestError
 from replicas.outputs import CompletionDeltas, CompletionOutput, RequestOutput
@@ -92,6 +93,8 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
     async def bad_body(_request: Request, exc: RequestValidationError):
         problems = [(".".join(str(p) for p in e["loc"] if p != "body"), e["msg"]) for e in exc.errors()]
         return error_response(InvalidRequestError(problems or [("body", "malformed request body")]))
+
+    add_token_routes(app, backend, error_response)
 
     @app.get("/health")
     async def health():

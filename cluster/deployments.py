@@ -161,12 +161,17 @@ class _ReplicaBackend:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
         await self.catalog.unregister(name)
 
-    def decode_token(self, token_id: int) -> str:
+    @property
+    def tokenizer(self):
+        """The base model's tokenizer, loaded here on first use (decoding logprobs' tokens, /tokenize)."""
         if self._decode is None:
             from replicas.tokenizer import Tokenizer
 
             self._decode = Tokenizer.from_pretrained(self.model_dir)
-        return self._decode.decode([token_id], skip_special_tokens=False)
+        return self._decode
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 @serve.ingress()

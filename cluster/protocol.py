@@ -70,6 +70,20 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
 
 
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: exactly one of prompt or messages (rendered with the chat template)."""
+    model: str | None = None  # adapters share the base model's tokenizer: any name gives the same ids
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt (the chat template writes its own)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
 class LoadLoRAAdapterRequest(_Body):
     lora_name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-/:]*$")
     lora_path: str = Field(min_length=1)

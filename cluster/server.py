@@ -220,5 +220,9 @@ class LoRAServer:
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
     async def shutdown(self) -> None:
         await self.engine.shutdown()

@@ -225,6 +225,36 @@ def test_several_prompts_in_one_request(stack):
     assert chunks[-1].usage.completion_tokens == many.usage.completion_tokens
     assert "prompt_token_ids" in str(err) and not stack[2].engine.engine.has_unfinished_requests()
 
+
+def test_tokenize_and_detokenize(stack):
+    """vLLM's routes: a prompt's ids (with BOS, or without), a chat's rendered prompt, and back; bad input is a 400."""
+    server = stack[2]
+    tok = server.tokenizer
+
+    async def go(c):
+        http = c._client
+        got = [await http.post("http://127.0.0.1/tokenize", json=body) for body in (
+            {"model": "demo-sql", "prompt": "SELECT name FROM users"},
+            {"prompt": "SELECT name FROM users", "add_special_tokens": False},
+            {"messages": [{"role": "user", "content": "Say hello"}]},
+            {"prompt": "x", "messages": [{"role": "user", "content": "y"}]})]
+        back = await http.post("http://127.0.0.1/detokenize", json={"tokens": got[1].json()["tokens"]})
+        bad = await http.post("http://127.0.0.1/detokenize", json={"tokens": [10 ** 7]})
+        chat = await c.chat.completions.create(model="demo-chat", messages=[{"role": "user", "content": "Say hello"}],
+                                               max_tokens=1)
+        return got, back, bad, chat
+
+    got, back, bad, chat = run(stack, go)
+    with_bos, plain, rendered, both = got
+    assert with_bos.json()["tokens"] == tok.encode("SELECT name FROM users")
+    assert plain.json()["tokens"] == tok.encode("SELECT name FROM users", add_special_tokens=False)
+    assert with_bos.json()["count"] == len(with_bos.json()["tokens"]) == plain.json()["count"] + 1
+    assert with_bos.json()["max_model_len"] == server.max_model_len
+    assert rendered.json()["count"] == chat.usage.prompt_tokens  # what the chat route feeds the model
+    assert both.status_code == 400 and "prompt" in both.json()["error"]["message"]
+    assert back.json()["prompt"] == "SELECT name FROM users"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
 def test_load_adapter_at_run_time_then_use_it(stack):
     root = stack[3]
 

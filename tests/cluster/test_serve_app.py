@@ -75,6 +75,11 @@ def test_models_completion_chat_streaming(serve_app):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="demo-sql", prompt="The quick brown fox", max_tokens=6, temperature=0, stream=True) if c.choices)
     assert streamed == out.choices[0].text
+    # the Serve app's own tokenizer (the ingress loads it): /tokenize counts what the completion's usage counts
+    tokens = httpx.post(f"{serve_app}/tokenize", json={"prompt": "The quick brown fox"}, timeout=60).json()
+    assert tokens["count"] == out.usage.prompt_tokens
+    two = client.completions.create(model="demo-sql", prompt=["The quick brown fox", "SELECT"], max_tokens=2)
+    assert [c.index for c in two.choices] == [0, 1]  # a prompt list through the replicas' handles
 
 
 def test_adapter_loaded_from_s3_at_run_time(serve_app, s3_client, peft_adapter_dir):

@@ -1,0 +1,43 @@
+"""vLLM's /tokenize and /detokenize: the served model's tokenizer over HTTP.
+
+For clients that count or check tokens before they send (a prompt's length against the context, a chat's
+rendered prompt). Adapters share the base model's tokenizer, so the request's model name changes nothing.
+Like /health and /metrics these sit outside /v1/, so API keys do not guard them (as in vLLM).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from fastapi import FastAPI
+
+from cluster.chat import render_chat
+from cluster.protocol import DetokenizeRequest, TokenizeRequest
+from replicas.errors import InvalidRequestError
+
+
+def add_token_routes(app: FastAPI, backend: Any, error_response: Callable[[BaseException], Any]) -> None:
+    """backend.tokenizer: a replicas.tokenizer.Tokenizer; backend.max_model_len, if it has one, is reported."""
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if (body.prompt is None) == (body.messages is None):
+            return error_response(InvalidRequestError([("prompt", "send exactly one of prompt or messages")]))
+        tok = backend.tokenizer
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = render_chat(messages, tok.chat_template, tok.bos_token, tok.eos_token, body.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)  # the template writes BOS itself
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        out: dict[str, Any] = {"count": len(ids), "tokens": ids}
+        if getattr(backend, "max_model_len", None):
+            out["max_model_len"] = backend.max_model_len
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        tok = backend.tokenizer
+        if not all(0 <= t < tok.vocab_size for t in body.tokens):
+            return error_response(InvalidRequestError([("tokens", f"tokens must be ids in [0, {tok.vocab_size})")]))
+        return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
