@@ -31,6 +31,8 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
+    allowed_token_ids: list[int] | None = None  # vLLM's extras from here on
+    truncate_prompt_tokens: int | None = None
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -43,7 +45,8 @@ class _Sampling(_Body):
                     stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     repetition_penalty=self.repetition_penalty, logprobs=logprobs, min_tokens=self.min_tokens,
-                    logit_bias=self.logit_bias)
+                    logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+                    truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 class CompletionRequest(_Sampling):

@@ -39,7 +39,7 @@ from replicas.executor import make_executor
 from replicas.model_runner import RunnerConfig, StepInput
 from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.parallel_sampling import FanOut, child_id, child_params
-from replicas.request_inputs import check_token_ids, checked_settings, prompt_ids
+from replicas.request_inputs import check_token_ids, checked_settings, prompt_ids, truncated
 from replicas.sampled_step import SampledStep
 from replicas.sampler import Sampler
 from replicas.sampling_params import SamplingParams
@@ -178,6 +178,7 @@ class LLMEngine:
         """Queue a request; with params.n > 1, n child sequences that report as one (parallel_sampling.py)."""
         params = checked_settings(params, lora_request)
         text, ids = prompt_ids(self.tokenizer, self.model_config.vocab_size, prompt)
+        ids = truncated(ids, params)
         check_token_ids(params, self.model_config.vocab_size)
         children = [(request_id, params)] if params.n == 1 else [
             (child_id(request_id, i), child_params(params, i)) for i in range(params.n)]

@@ -40,7 +40,15 @@ def prompt_ids(tokenizer: Tokenizer, vocab: int, prompt: str | dict) -> tuple[st
 
 
 def check_token_ids(params: SamplingParams, vocab: int) -> None:
-    """The tokens logit_bias names are in the vocabulary (a stop token id past it can never be sampled: harmless)."""
-    if params.logit_bias and max(params.logit_bias) >= vocab:
-        raise InvalidRequestError([("logit_bias", f"SamplingParams.logit_bias names token id "
-                                    f"{max(params.logit_bias)}, outside the vocabulary [0, {vocab})")])
+    """The tokens logit_bias and allowed_token_ids name are in the vocabulary (a stop token id past it can never
+    be sampled: harmless)."""
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        if ids and max(ids) >= vocab:
+            raise InvalidRequestError([(name, f"SamplingParams.{name} names token id {max(ids)}, outside the "
+                                              f"vocabulary [0, {vocab})")])
+
+
+def truncated(ids: list[int], params: SamplingParams) -> list[int]:
+    """The prompt's last truncate_prompt_tokens ids (vLLM's: keep the end, where the question usually is)."""
+    k = params.truncate_prompt_tokens
+    return ids[-k:] if k is not None and len(ids) > k else ids

@@ -120,7 +120,8 @@ class Sampler:
     def _apply_min_tokens_and_bias(logits: torch.Tensor, seqs: Seq[Sequence],
                                    params: Seq[SamplingParams]) -> torch.Tensor:
         """-inf on EOS (unless ignore_eos) and the stop token ids of rows short of min_tokens; + each row's
-        logit_bias. Out of place: logits may be a CUDA graph's output buffer."""
+        logit_bias; -inf on every token outside a row's allowed_token_ids. Out of place: logits may be a CUDA
+        graph's output buffer."""
         vocab = logits.shape[1]
         rows: list[int] = []
         cols: list[int] = []
@@ -136,11 +137,19 @@ class Sampler:
                 rows += [i] * len(p.logit_bias)
                 cols += p.logit_bias
                 values += p.logit_bias.values()
-        if not rows:
-            return logits
         device = logits.device
-        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+        if rows:
+            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+            logits = logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+        allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
+        if allowed:  # every other token -inf: a mask of the allowed ones, applied out of place
+            rows_mask = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool)
+            for j, (_, ids) in enumerate(allowed):
+                rows_mask[j, ids] = True
+            keep = torch.ones(logits.shape, dtype=torch.bool, device=device)
+            keep[torch.tensor([i for i, _ in allowed], device=device)] = rows_mask.to(device)
+            logits = logits.masked_fill(~keep, -math.inf)
+        return logits
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:

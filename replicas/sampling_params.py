@@ -45,7 +45,9 @@ class SamplingParams:
     and the stop ids cannot be sampled, stop strings are not looked for), as in vLLM. logit_bias (OpenAI's)
     adds a bias in [-100, 100] to the named tokens' logits before sampling (the engine checks the ids against
     the vocabulary). prompt_logprobs=k gives each prompt token's logprob and its position's top k
-    (replicas/prompt_logprobs.py). Invalid values raise InvalidRequestError naming every field at fault.
+    (replicas/prompt_logprobs.py). allowed_token_ids (vLLM's) restricts sampling to those tokens;
+    truncate_prompt_tokens=k keeps the prompt's last k tokens. Invalid values raise InvalidRequestError naming
+    every field at fault.
     """
 
     n: int = 1
@@ -67,6 +69,8 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -123,6 +127,15 @@ class SamplingParams:
                 bad("logit_bias", f"a map of token ids (>= 0) to numbers in [-{MAX_BIAS}, {MAX_BIAS}]")
             else:
                 self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                bad("allowed_token_ids", "None or a non-empty list of token ids >= 0")
+            else:
+                self.allowed_token_ids = list(ids)
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1):
+            bad("truncate_prompt_tokens", "None or an integer >= 1")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "a bool")

@@ -149,6 +149,21 @@ def test_logit_bias_bans_and_forces_tokens(llm, first_run):
         llm.engine.add_request("big-id", PROMPTS[0], greedy(2, logit_bias={vocab: 1}))
     assert err.value.fields == ["logit_bias"] and not llm.engine.has_unfinished_requests()
 
+
+def test_allowed_token_ids_and_truncate_prompt_tokens(llm, first_run):
+    """allowed_token_ids: every token one of them; truncate_prompt_tokens: the prompt's last k tokens, as if sent
+    alone; ids outside the vocabulary are the field's error."""
+    allowed = sorted(set(first_run.token_ids[:3]))
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=1.0, seed=2, max_tokens=8, allowed_token_ids=allowed))
+    assert set(out[0].outputs[0].token_ids) <= set(allowed)
+    ids = llm.engine.tokenizer.encode(PROMPTS[1])
+    cut = llm.generate(PROMPTS[1], greedy(6, truncate_prompt_tokens=4))[0]
+    assert cut.prompt_token_ids == ids[-4:]
+    assert cut.outputs[0].token_ids == tokens(llm.generate({"prompt_token_ids": ids[-4:]}, greedy(6)))[0]
+    with pytest.raises(InvalidRequestError) as err:
+        llm.engine.add_request("x", PROMPTS[0], greedy(2, allowed_token_ids=[llm.engine.model_config.vocab_size]))
+    assert err.value.fields == ["allowed_token_ids"]
+
 # ---- seeded sampling --------------------------------------------------------------------------
 
 

@@ -192,3 +192,15 @@ def test_logit_bias_forces_and_bans_tokens(device):
               SamplingParams(temperature=0)]
     out = Sampler().sample(logits, seqs_for(params)).token_ids
     assert out[0] == logits[0].topk(2).indices[1] and out[1] == 7 and out[2] == top[2]
+
+
+@ON_DEVICES
+def test_allowed_token_ids_restrict_each_rows_choice(device):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)).to(device)
+    allowed = [3, 9, 41]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.0, seed=5, allowed_token_ids=[7]),
+              SamplingParams(temperature=0)]
+    out = Sampler().sample(logits, seqs_for(params)).token_ids.tolist()
+    assert out[0] == allowed[int(logits[0, allowed].argmax())] and out[1] == 7
+    assert out[2] == int(logits[2].argmax())
