@@ -191,8 +191,7 @@ class LLMEngine:
             self._fanout.add(request_id, params.n)
         # The others wait for the first to compute the prompt, then share its full blocks (scheduler.py).
         bm = self.scheduler.block_manager
-        shared = bm.enable_prefix_caching and len(ids) > bm.block_size and params.prompt_logprobs is None
-        leader = first if shared else None
+        leader = first if bm.enable_prefix_caching and len(ids) > bm.block_size else None
         for cid, child in children[1:]:
             self._add_sequence(cid, child, text, ids, lora_request, leader)
 

@@ -27,8 +27,11 @@ def child_id(request_id: str, index: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Child index's settings: n = 1, seed + index; prompt logprobs for the first only (the request reports
+    one list, and the others may then share the first's prompt blocks)."""
     seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass

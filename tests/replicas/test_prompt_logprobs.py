@@ -73,16 +73,18 @@ def test_prompt_logprobs_on_the_gpu(make_llm, loras, hf_prompt_logprobs):
 
 def test_cached_prompt_is_computed_again_for_its_logprobs(make_llm, hf_prompt_logprobs):
     """The prefix cache holds the prompt after the first request; the second computes it anyway (cached positions
-    would have no logits), and k = 0 gives each token's own logprob only. n > 1: one list on the request."""
+    would have no logits), and k = 0 gives each token's own logprob only. n = 3: one list on the request, computed
+    by the first completion; the other two take the prompt's full blocks from the cache."""
     llm = make_llm()
     bm = llm.engine.scheduler.block_manager
     ids, chosen, top = hf_prompt_logprobs[None]
+    full = (len(ids) - 1) // bm.block_size * bm.block_size
     llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
     hits = bm.num_cache_hit_tokens
-    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, n=2))[0]
-    assert bm.num_cache_hit_tokens == hits
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, n=3))[0]
+    assert bm.num_cache_hit_tokens - hits == 2 * full and full >= 2 * bm.block_size
     _check(out.prompt_logprobs, ids, chosen, top, k=0)
-    assert len(out.outputs) == 2
+    assert len(out.outputs) == 3
 
 
 def test_rows_and_spans_over_a_chunked_step_and_a_recompute():
