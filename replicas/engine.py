@@ -269,15 +269,8 @@ class LLMEngine:
             out.scheduled = [s for s in out.scheduled if not s.seq.is_finished]  # stopped: blocks freed
         logits = None
         if out.scheduled:
-            step_input, previous_tokens = self._step_input(out, previous)
-            spans = []
-            if step_input.is_prefill:  # only prompt chunks give prompt logprobs: decode steps skip the look
-                step_input.prompt_logprob_rows, spans = prompt_logprobs.plan(out.scheduled)
-            logits = self.executor.execute(step_input, previous_tokens)
-            if spans:  # the rows after the sampled ones
-                sampled = len(step_input.sample_rows)
-                prompt_logprobs.record(logits[sampled:], spans, self._prompt_logprobs_of)
-                logits = logits[:sampled]
+            logits = prompt_logprobs.execute(self.executor, *self._step_input(out, previous), out.scheduled,
+                                             self._prompt_logprobs_of)
         if later:
             failed = self._collect_loads(block=False)
         if out.scheduled:

@@ -13,10 +13,11 @@ without logits (block_manager.py). Entry 0 (the first token, which nothing predi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
+from replicas.model_runner import StepInput
 from replicas.scheduler import ScheduledSequence
 from replicas.sequence import Sequence
 
@@ -65,3 +66,17 @@ def record(logits: torch.Tensor, spans: Seq[PromptRows], entries: Callable[[Sequ
                 entry = dict(zip(top_ids[j], top_values[j]))
                 entry[token] = chosen[j]
                 out.append(entry)
+
+
+def execute(executor: Any, step: StepInput, previous_tokens: torch.Tensor | None, scheduled: Seq[ScheduledSequence],
+            entries: Callable[[Sequence], list | None]) -> torch.Tensor:
+    """Run the step with its prompt-logprob rows, record them, return the sampled rows' logits."""
+    spans: list[PromptRows] = []
+    if step.is_prefill:  # only prompt chunks give prompt logprobs: decode steps skip the look
+        step.prompt_logprob_rows, spans = plan(scheduled)
+    logits = executor.execute(step, previous_tokens)
+    if not spans:
+        return logits
+    sampled = len(step.sample_rows)  # the prompt rows come after the sampled ones
+    record(logits[sampled:], spans, entries)
+    return logits[:sampled]
