@@ -194,15 +194,14 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
     async def _respond_many(reqs: list[GenerateRequest], body: Any, fmt: "_Format"):
         """Several prompts side by side (cluster/prompt_batch.py); choice i * n + j: prompt i's completion j."""
         start, n = time.monotonic(), body.n
-        streams = [backend.generate(r) for r in reqs]
         try:
-            firsts = await prompt_batch.first_outputs(streams)
+            batch, firsts = await prompt_batch.start([backend.generate(r) for r in reqs])
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         timings = [_Timing(metrics, body.model, start) for _ in reqs]
         if not body.stream:
             try:
-                lasts = await prompt_batch.last_outputs(firsts, streams)
+                lasts = await prompt_batch.last_outputs(batch, firsts)
             except Exception as exc:  # noqa: BLE001
                 return error_response(exc)
             for timing, out in zip(timings, lasts):
@@ -215,7 +214,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
                 fmt.begin(first, base=i * n)
             try:
                 # aclosing: a client that goes away stops every prompt's request, not only this generator
-                async with contextlib.aclosing(prompt_batch.merged(firsts, streams)) as outputs:
+                async with contextlib.aclosing(prompt_batch.merged(batch, firsts)) as outputs:
                     async for i, out in outputs:
                         timings[i].token(out)
                         lasts[i] = out

@@ -14,7 +14,9 @@ Python callers use the ingress handle:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -132,11 +134,25 @@ class _ReplicaBackend:
         from replicas.outputs import CompletionOutput, RequestOutput
 
         try:
-            async for item in self.replicas.options(stream=True).generate.remote(request):
+            async for item in self._call_generate(request):
                 outputs = [CompletionOutput(**c) for c in item["outputs"]]
                 yield RequestOutput(**{**item, "outputs": outputs})
         except BackPressureError as exc:  # every replica's queue is full (max_queued_requests): HTTP 429
             raise OverloadedError(f"all replicas are at capacity, retry later ({exc})") from exc
+
+    def _call_generate(self, request: GenerateRequest):
+        """The replicas' generate stream, under an internal request id of its own: a handle call takes the HTTP
+        request's, and the prompts of one completions request (cluster/prompt_batch.py), sharing it, collided in
+        Serve's and the router's bookkeeping: all but one never ran. remote() reads the context when called."""
+        from ray.serve import context  # Serve's request context: private, read and set as Serve itself does
+
+        current = context._get_serve_request_context()
+        token = context._serve_request_context.set(
+            dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+        try:
+            return self.replicas.options(stream=True).generate.remote(request)
+        finally:
+            context._serve_request_context.reset(token)
 
     async def models(self) -> list[dict]:
         return await self.replicas.models.remote()

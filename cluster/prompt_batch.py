@@ -32,69 +32,95 @@ def engine_prompts(prompt: Any) -> list[str | dict]:
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
-async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """Each stream's first output; on any failure every stream is closed and the first error raised."""
-    results = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        await close_all(streams)
-        raise (errors[0] if not isinstance(errors[0], StopAsyncIteration)
-               else RuntimeError("a request ended without output"))
-    return list(results)
+class Batch:
+    """One task per prompt's stream, from its first output to its last (a stream is only ever iterated by its
+    own task), its outputs queued in arrival order. Closing cancels the tasks, which closes the streams (their
+    requests are aborted). Over Ray Serve each stream's handle call needs an internal request id of its own
+    (cluster/deployments.py, _ReplicaBackend._call_generate)."""
 
+    _DONE = object()
 
-async def close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
-    for s in streams:
-        await s.aclose()
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._running = len(streams)
+        self._held: list[tuple[int, RequestOutput]] = []  # seen while waiting for the first outputs
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
-
-async def last_outputs(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
-                       ) -> list[RequestOutput]:
-    """Each stream's final output (the streams run side by side)."""
-    async def last(first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-        out = first
-        async for out in stream:
-            pass
-        return out
-
-    try:
-        return list(await asyncio.gather(*(last(f, s) for f, s in zip(firsts, streams))))
-    except BaseException:
-        await close_all(streams)
-        raise
-
-
-async def merged(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) as each stream gives them, the firsts first; a stream's error is raised here
-    after the other streams are closed."""
-    for i, first in enumerate(firsts):
-        yield i, first
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def _pump(self, i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in stream:
-                await queue.put((i, out))
+                await self._queue.put((i, out))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((i, exc))
+            await self._queue.put((i, exc))
         finally:
-            await queue.put((i, done))
+            await self._queue.put((i, self._DONE))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
+    async def _next(self) -> tuple[int, RequestOutput] | None:
+        """The next output of any stream, None once all have ended; a stream's error is raised here."""
+        while self._running:
+            i, item = await self._queue.get()
+            if item is self._DONE:
+                self._running -= 1
             elif isinstance(item, Exception):
                 raise item
             else:
-                yield i, item
-    finally:
-        for t in tasks:
+                return i, item
+        return None
+
+    async def firsts(self) -> list[RequestOutput]:
+        """Each stream's first output (later ones seen meanwhile are held for outputs())."""
+        firsts: dict[int, RequestOutput] = {}
+        while len(firsts) < len(self._tasks):
+            item = await self._next()
+            if item is None:
+                raise RuntimeError("a prompt's request ended without output")
+            if item[0] in firsts:
+                self._held.append(item)
+            else:
+                firsts[item[0]] = item[1]
+        return [firsts[i] for i in range(len(self._tasks))]
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) after the first outputs, until every stream has ended."""
+        while self._held:
+            yield self._held.pop(0)
+        while (item := await self._next()) is not None:
+            yield item
+
+    async def close(self) -> None:
+        for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await close_all(streams)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def start(streams: list[AsyncIterator[RequestOutput]]) -> tuple[Batch, list[RequestOutput]]:
+    """The streams running side by side, and each one's first output; a failure before all have one closes
+    every stream and is raised (the request is refused whole)."""
+    batch = Batch(streams)
+    try:
+        return batch, await batch.firsts()
+    except BaseException:
+        await batch.close()
+        raise
+
+
+async def last_outputs(batch: Batch, firsts: list[RequestOutput]) -> list[RequestOutput]:
+    """Each stream's final output."""
+    lasts = list(firsts)
+    try:
+        async for i, out in batch.outputs():
+            lasts[i] = out
+    finally:
+        await batch.close()
+    return lasts
+
+
+async def merged(batch: Batch, firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) as the streams give them, the firsts first; closing it stops every stream."""
+    try:
+        for i, first in enumerate(firsts):
+            yield i, first
+        async for item in batch.outputs():
+            yield item
+    finally:
+        await batch.close()
