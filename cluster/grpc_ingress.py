@@ -39,7 +39,7 @@ _HTTP_TO_GRPC = {
 }
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "n", "min_tokens", "logprobs", "prompt_logprobs")
+                      "repetition_penalty", "n", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -104,6 +104,8 @@ def request_from_proto(msg: pb.GenerateRequest, model_name: str, default_max_tok
         sampling["ignore_eos"] = True
     if msg.logit_bias:
         sampling["logit_bias"] = dict(msg.logit_bias)
+    if msg.allowed_token_ids:
+        sampling["allowed_token_ids"] = list(msg.allowed_token_ids)
 
     model = msg.adapter or model_name
     extra = {"request_id": msg.request_id} if msg.request_id else {}

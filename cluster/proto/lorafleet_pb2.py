@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63luster/proto/lorafleet.proto\x12\x0clorafleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb9\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\x05min_p\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0f \x03(\x05\x12+\n\x08messages\x18\x10 \x03(\x0b\x32\x19.lorafleet.v1.ChatMessage\x12\x12\n\nrequest_id\x18\x11 \x01(\t\x12\x0e\n\x01n\x18\x12 \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x13 \x01(\x05H\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x14 \x03(\x0b\x32,.lorafleet.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x15 \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"i\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.lorafleet.v1.TopLogprobB\n\n\x08_logprob\"\x97\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\x05\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.lorafleet.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1a.lorafleet.v1.TokenLogprob\"\x15\n\x13ListAdaptersRequest\"7\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06parent\x18\x03 \x01(\t\"S\n\x14ListAdaptersResponse\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\'\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x15.lorafleet.v1.Adapter2\xaf\x01\n\tLoRAFleet\x12K\n\x08Generate\x12\x1d.lorafleet.v1.GenerateRequest\x1a\x1e.lorafleet.v1.GenerateResponse0\x01\x12U\n\x0cListAdapters\x12!.lorafleet.v1.ListAdaptersRequest\x1a\".lorafleet.v1.ListAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63luster/proto/lorafleet.proto\x12\x0clorafleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x94\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\x05min_p\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0f \x03(\x05\x12+\n\x08messages\x18\x10 \x03(\x0b\x32\x19.lorafleet.v1.ChatMessage\x12\x12\n\nrequest_id\x18\x11 \x01(\t\x12\x0e\n\x01n\x18\x12 \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x13 \x01(\x05H\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x14 \x03(\x0b\x32,.lorafleet.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x15 \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x0c\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x17 \x03(\x05\x12#\n\x16truncate_prompt_tokens\x18\x18 \x01(\x05H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"i\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.lorafleet.v1.TopLogprobB\n\n\x08_logprob\"\x97\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\x05\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.lorafleet.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1a.lorafleet.v1.TokenLogprob\"\x15\n\x13ListAdaptersRequest\"7\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06parent\x18\x03 \x01(\t\"S\n\x14ListAdaptersResponse\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\'\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x15.lorafleet.v1.Adapter2\xaf\x01\n\tLoRAFleet\x12K\n\x08Generate\x12\x1d.lorafleet.v1.GenerateRequest\x1a\x1e.lorafleet.v1.GenerateResponse0\x01\x12U\n\x0cListAdapters\x12!.lorafleet.v1.ListAdaptersRequest\x1a\".lorafleet.v1.ListAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -26,21 +26,21 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_CHATMESSAGE']._serialized_start=47
   _globals['_CHATMESSAGE']._serialized_end=91
   _globals['_GENERATEREQUEST']._serialized_start=94
-  _globals['_GENERATEREQUEST']._serialized_end=919
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=681
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=729
-  _globals['_TOPLOGPROB']._serialized_start=921
-  _globals['_TOPLOGPROB']._serialized_end=968
-  _globals['_TOKENLOGPROB']._serialized_start=970
-  _globals['_TOKENLOGPROB']._serialized_end=1075
-  _globals['_GENERATERESPONSE']._serialized_start=1078
-  _globals['_GENERATERESPONSE']._serialized_end=1357
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1359
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1380
-  _globals['_ADAPTER']._serialized_start=1382
-  _globals['_ADAPTER']._serialized_end=1437
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1439
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1522
-  _globals['_LORAFLEET']._serialized_start=1525
-  _globals['_LORAFLEET']._serialized_end=1700
+  _globals['_GENERATEREQUEST']._serialized_end=1010
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=745
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=793
+  _globals['_TOPLOGPROB']._serialized_start=1012
+  _globals['_TOPLOGPROB']._serialized_end=1059
+  _globals['_TOKENLOGPROB']._serialized_start=1061
+  _globals['_TOKENLOGPROB']._serialized_end=1166
+  _globals['_GENERATERESPONSE']._serialized_start=1169
+  _globals['_GENERATERESPONSE']._serialized_end=1448
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1450
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1471
+  _globals['_ADAPTER']._serialized_start=1473
+  _globals['_ADAPTER']._serialized_end=1528
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1530
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1613
+  _globals['_LORAFLEET']._serialized_start=1616
+  _globals['_LORAFLEET']._serialized_end=1791
 # @@protoc_insertion_point(module_scope)

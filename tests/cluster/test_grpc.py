@@ -132,6 +132,9 @@ def test_generate_n_completions_each_under_its_index(cluster):
 def test_generate_with_logit_bias_and_min_tokens(cluster):
     forced = _stream(cluster.stub, prompt=PROMPT, max_tokens=3, temperature=0.0, logit_bias={17: 100.0}, min_tokens=3)
     assert [t for c in forced for t in c.token_ids] == [17, 17, 17]
+    allowed = _stream(cluster.stub, prompt=PROMPT, max_tokens=3, temperature=1.0, allowed_token_ids=[21],
+                      truncate_prompt_tokens=2)
+    assert [t for c in allowed for t in c.token_ids] == [21, 21, 21] and allowed[0].prompt_tokens == 2
     with pytest.raises(grpc.RpcError) as err:
         _stream(cluster.stub, prompt=PROMPT, max_tokens=3, min_tokens=4)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in err.value.details()
@@ -185,6 +188,9 @@ def test_request_from_proto():
     assert req.sampling == {"max_tokens": 16, "min_tokens": 2, "logit_bias": {5: -100.0, 9: 2.5}}
     req = request_from_proto(pb.GenerateRequest(prompt="hi", logprobs=0, prompt_logprobs=2), "b", 16)
     assert req.sampling == {"max_tokens": 16, "logprobs": 0, "prompt_logprobs": 2}
+    msg = pb.GenerateRequest(prompt="hi", allowed_token_ids=[4, 9], truncate_prompt_tokens=3)
+    req = request_from_proto(msg, "b", 16)
+    assert req.sampling == {"max_tokens": 16, "allowed_token_ids": [4, 9], "truncate_prompt_tokens": 3}
     req = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")]), "base", 16)
     assert req.messages == [{"role": "user", "content": "x"}] and req.prompt is None
     for bad, field in [(pb.GenerateRequest(), "prompt"), (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt"),
