@@ -134,13 +134,13 @@ class _ReplicaBackend:
         from replicas.outputs import CompletionOutput, RequestOutput
 
         try:
-            async for item in self._call_generate(request):
+            async for item in self.call_generate(request):
                 outputs = [CompletionOutput(**c) for c in item["outputs"]]
                 yield RequestOutput(**{**item, "outputs": outputs})
         except BackPressureError as exc:  # every replica's queue is full (max_queued_requests): HTTP 429
             raise OverloadedError(f"all replicas are at capacity, retry later ({exc})") from exc
 
-    def _call_generate(self, request: GenerateRequest):
+    def call_generate(self, request: GenerateRequest):
         """The replicas' generate stream, under an internal request id of its own: a handle call takes the HTTP
         request's, and the prompts of one completions request (cluster/prompt_batch.py), sharing it, collided in
         Serve's and the router's bookkeeping: all but one never ran. remote() reads the context when called."""
@@ -221,7 +221,7 @@ class Ingress:
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": prompt}
         request = GenerateRequest(model, sampling, prompt=prompt, messages=messages)
-        outputs = self.backend.replicas.options(stream=True).generate.remote(request)
+        outputs = self.backend.call_generate(request)
         if stream:
             return _relay(outputs)
         last = None

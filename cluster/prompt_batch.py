@@ -36,7 +36,7 @@ class Batch:
     """One task per prompt's stream, from its first output to its last (a stream is only ever iterated by its
     own task), its outputs queued in arrival order. Closing cancels the tasks, which closes the streams (their
     requests are aborted). Over Ray Serve each stream's handle call needs an internal request id of its own
-    (cluster/deployments.py, _ReplicaBackend._call_generate)."""
+    (cluster/deployments.py, _ReplicaBackend.call_generate)."""
 
     _DONE = object()
 

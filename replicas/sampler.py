@@ -127,7 +127,7 @@ class Sampler:
         cols: list[int] = []
         values: list[float] = []
         for i, (seq, p) in enumerate(zip(seqs, params)):
-            if seq.num_output_tokens < p.min_tokens:
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
                 # a stop id past the vocabulary can never be sampled: nothing to mask
                 banned = {t for t in p.stop_token_ids if t < vocab} | (set() if p.ignore_eos else seq.eos_token_ids)
                 rows += [i] * len(banned)
