@@ -40,6 +40,7 @@ _HTTP_TO_GRPC = {
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty", "n", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_STRUCTURED = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -106,6 +107,10 @@ def request_from_proto(msg: pb.GenerateRequest, model_name: str, default_max_tok
         sampling["logit_bias"] = dict(msg.logit_bias)
     if msg.allowed_token_ids:
         sampling["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.HasField("structured_outputs"):  # unset fields are proto3 defaults: only those given travel
+        so = msg.structured_outputs
+        sampling["structured_outputs"] = {name: (list(v) if name == "choice" else v) for name in _STRUCTURED
+                                          if (v := getattr(so, name))}
 
     model = msg.adapter or model_name
     extra = {"request_id": msg.request_id} if msg.request_id else {}

@@ -8,11 +8,35 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class JSONSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema."""
+    name: str = "response"
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the engine always holds the output to the schema
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: plain text, JSON mode (any object) or a JSON Schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        return self
+
+
+# vLLM's earlier names for structured outputs' kinds, still sent by many clients.
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class _Sampling(_Body):
@@ -33,10 +57,36 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's extras from here on
     truncate_prompt_tokens: int | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's; the next five are vLLM's (replicas/structured_outputs.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _one_output_format(self) -> "_Sampling":
+        given = [name for name in ("response_format", "structured_outputs", *_GUIDED) if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise ValueError(f"set at most one of response_format, structured_outputs or a guided_* field "
+                             f"(got {', '.join(given)})")
+        return self
+
+    def structured(self) -> dict[str, Any] | None:
+        """The output constraint asked for, as StructuredOutputsParams fields (checked on the replica)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            return {"json": fmt.json_schema.schema_} if fmt.type == "json_schema" else {"json_object": True}
+        if self.structured_outputs is not None:
+            return dict(self.structured_outputs)
+        guided = next((name for name in _GUIDED if getattr(self, name) is not None), None)
+        return None if guided is None else {guided.removeprefix("guided_"): getattr(self, guided)}
 
     def sampling(self, default_max_tokens: int, logprobs: int | None) -> dict[str, Any]:
         """SamplingParams fields; validation happens when SamplingParams is built."""
@@ -46,7 +96,7 @@ class _Sampling(_Body):
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     repetition_penalty=self.repetition_penalty, logprobs=logprobs, min_tokens=self.min_tokens,
                     logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
-                    truncate_prompt_tokens=self.truncate_prompt_tokens)
+                    truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=self.structured())
 
 
 class CompletionRequest(_Sampling):

@@ -108,6 +108,11 @@ class AsyncLLMEngine:
         elif sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise InvalidRequestError([("sampling_params", f"must be SamplingParams, a mapping of its fields or "
                                         f"None, got {type(sampling_params).__name__}")])
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            # compiled here, on a worker thread, not by add_request on the engine's: a big schema (or the first
+            # one, which scans the vocabulary) would hold up every running request's steps; add_request then
+            # finds the grammar in the compiler's cache
+            await asyncio.to_thread(self.engine.grammars.compile, sampling_params.structured_outputs)
         stream = _Stream(request_id, asyncio.get_running_loop())
         done = False
         try:

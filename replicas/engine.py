@@ -36,11 +36,12 @@ from replicas.engine_adapters import EngineAdapters
 from replicas.engine_args import EngineArgs  # also imported from here, as replicas.engine.EngineArgs
 from replicas.errors import EngineError, InvalidRequestError
 from replicas.executor import make_executor
-from replicas.model_runner import RunnerConfig, StepInput
+from replicas.grammar import GrammarBackend, SequenceGrammar
+from replicas.model_runner import RunnerConfig
 from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.parallel_sampling import FanOut, child_id, child_params
 from replicas.request_inputs import check_token_ids, checked_settings, prompt_ids, truncated
-from replicas.sampled_step import SampledStep
+from replicas.sampled_step import SampledStep, step_input
 from replicas.sampler import Sampler
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -59,6 +60,7 @@ class _Request:
     # for every running request at every step, adds up to milliseconds of host time).
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prefill goes (prompt_logprobs.py)
+    grammar: SequenceGrammar | None = None  # SamplingParams.structured_outputs (replicas/grammar.py)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.seq.prompt_token_ids)
@@ -99,6 +101,7 @@ class LLMEngine:
                             max_loras=args.max_loras if args.enable_lora else 0, max_model_len=self.max_model_len),
             BlockManager(self.executor.runner.num_blocks, args.block_size, args.enable_prefix_caching))
         self.sampler = Sampler()
+        self.grammars = GrammarBackend(self.tokenizer, mc.vocab_size)
         self._eos = tuple(mc.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                                is not None else ())
         self._requests: dict[str, _Request] = {}
@@ -180,23 +183,25 @@ class LLMEngine:
         text, ids = prompt_ids(self.tokenizer, self.model_config.vocab_size, prompt)
         ids = truncated(ids, params)
         check_token_ids(params, self.model_config.vocab_size)
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         children = [(request_id, params)] if params.n == 1 else [
             (child_id(request_id, i), child_params(params, i)) for i in range(params.n)]
         for rid in {request_id, *(cid for cid, _ in children)}:
             if rid in self._requests or rid in self._fanout:
                 raise InvalidRequestError([("request_id", f"request_id {rid!r} is already in use")])
         # Past the first child's adapter start the others pass every check it passed: whole or not at all.
-        first = self._add_sequence(*children[0], text, ids, lora_request)
+        first = self._add_sequence(*children[0], text, ids, lora_request, grammar)
         if params.n > 1:
             self._fanout.add(request_id, params.n)
         # The others wait for the first to compute the prompt, then share its full blocks (scheduler.py).
         bm = self.scheduler.block_manager
         leader = first if bm.enable_prefix_caching and len(ids) > bm.block_size else None
         for cid, child in children[1:]:
-            self._add_sequence(cid, child, text, ids, lora_request, leader)
+            self._add_sequence(cid, child, text, ids, lora_request, grammar, leader)
 
     def _add_sequence(self, request_id: str, params: SamplingParams, text: str | None, ids: list[int],
-                      lora_request: LoRARequest | None, prefix_leader: Sequence | None = None) -> Sequence:
+                      lora_request: LoRARequest | None, grammar: object = None,
+                      prefix_leader: Sequence | None = None) -> Sequence:
         loading = False
         if lora_request is not None:
             try:
@@ -215,6 +220,8 @@ class LLMEngine:
                                        min_tokens=params.min_tokens)
         self._requests[request_id] = _Request(seq, text, detok, lora_request.lora_name if lora_request else None,
                                               [] if params.logprobs is not None else None)
+        if grammar is not None:
+            self._requests[request_id].grammar = self.grammars.matcher(grammar, {*self._eos, *params.stop_token_ids})
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -290,7 +297,8 @@ class LLMEngine:
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SampledStep:
         """Sample on the device and start copying the tokens back."""
         samplers = [s.seq for s in out.scheduled if s.samples]
-        step = SampledStep(out, samplers, self.sampler.sample(logits, samplers))
+        masks = self.grammars.token_masks([self._grammar_of(seq) for seq in samplers], pin=logits.is_cuda)
+        step = SampledStep(out, samplers, self.sampler.sample(logits, samplers, token_masks=masks))
         ids = step.sampled.token_ids
         if ids.is_cuda:
             step.host_tokens = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
@@ -322,6 +330,8 @@ class LLMEngine:
             reason, stop = self.scheduler.token_stop(seq, token)
             if reason is not None:
                 self._stop(seq, reason, stop)
+            if state.grammar is not None and (not state.grammar.accept(token) or state.grammar.is_terminated):
+                self._stop(seq, "stop", None)  # complete (EOS under ignore_eos); a refused token cannot be sampled
             params = seq.sampling_params
             hide = token in params.stop_token_ids and not params.include_stop_str_in_output
             delta = state.detok.add_tokens([] if hide else [token])  # a stop token's text is not output
@@ -356,27 +366,12 @@ class LLMEngine:
             if ids:
                 self.executor.call("prefetch_loras", ids, sorted(self.scheduler.running_lora_ids()))
 
-    def _step_input(self, out: SchedulerOutput,
-                    previous: SampledStep | None) -> tuple[StepInput, torch.Tensor | None]:
-        """The step's inputs, and the previous step's device tokens when some inputs are still pending."""
-        step = StepInput([], [], [], [], [], [], [], [], is_prefill=any(s.is_prefill for s in out.scheduled))
-        rows = previous.rows if previous is not None else {}
-        for s in out.scheduled:
-            seq = s.seq
-            step.sample_rows += [len(step.input_ids) + s.num_new_tokens - 1] if s.samples else []
-            ids = s.token_ids
-            if ids[-1] == PENDING_TOKEN:  # only a sequence's newest token can be pending
-                step.fill_rows.append(len(step.input_ids) + len(ids) - 1)
-                step.fill_from.append(rows[seq.request_id])
-                ids[-1] = 0
-            step.input_ids += ids
-            step.positions += list(range(s.start, s.start + s.num_new_tokens))
-            step.query_lens.append(s.num_new_tokens)
-            step.seq_lens.append(s.start + s.num_new_tokens)
-            step.block_tables.append(list(seq.block_table))
-            step.token_lora_ids += [seq.lora_int_id] * s.num_new_tokens
-            step.sample_lora_ids += [seq.lora_int_id] if s.samples else []
-        return step, previous.sampled.token_ids if step.fill_rows else None
+    def _step_input(self, out: SchedulerOutput, previous: SampledStep | None) -> tuple:
+        return step_input(out, previous)  # a method: tests and benches wrap it per engine (bench/profile_step.py)
+
+    def _grammar_of(self, seq: Sequence) -> SequenceGrammar | None:
+        state = self._requests.get(seq.request_id)
+        return state.grammar if state is not None and state.seq is seq and not seq.is_finished else None
 
     def _prompt_logprobs_of(self, seq: Sequence) -> list | None:
         state = self._requests.get(seq.request_id)

@@ -2,7 +2,7 @@
 
 The engine (replicas/engine.py) samples each step on the device and, with async scheduling, launches the next
 step before it reads these tokens back: the pinned host copy and its event let the read-back wait for the
-copy alone.
+copy alone, and step_input builds the next step's inputs with those tokens still on the device.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from replicas.model_runner import StepInput
 from replicas.sampler import SamplerOutput
 from replicas.scheduler import SchedulerOutput
-from replicas.sequence import Sequence
+from replicas.sequence import PENDING_TOKEN, Sequence
 
 
 @dataclass
@@ -36,3 +37,26 @@ class SampledStep:
             return self.sampled.token_ids.tolist()
         self.ready.synchronize()
         return self.host_tokens.tolist()
+
+
+def step_input(out: SchedulerOutput, previous: SampledStep | None) -> tuple[StepInput, torch.Tensor | None]:
+    """A scheduled step's inputs, and the previous step's device tokens when some inputs are still pending
+    (async scheduling: the runner copies them into place on the device)."""
+    step = StepInput([], [], [], [], [], [], [], [], is_prefill=any(s.is_prefill for s in out.scheduled))
+    rows = previous.rows if previous is not None else {}
+    for s in out.scheduled:
+        seq = s.seq
+        step.sample_rows += [len(step.input_ids) + s.num_new_tokens - 1] if s.samples else []
+        ids = s.token_ids
+        if ids[-1] == PENDING_TOKEN:  # only a sequence's newest token can be pending
+            step.fill_rows.append(len(step.input_ids) + len(ids) - 1)
+            step.fill_from.append(rows[seq.request_id])
+            ids[-1] = 0
+        step.input_ids += ids
+        step.positions += list(range(s.start, s.start + s.num_new_tokens))
+        step.query_lens.append(s.num_new_tokens)
+        step.seq_lens.append(s.start + s.num_new_tokens)
+        step.block_tables.append(list(seq.block_table))
+        step.token_lora_ids += [seq.lora_int_id] * s.num_new_tokens
+        step.sample_lora_ids += [seq.lora_int_id] if s.samples else []
+    return step, previous.sampled.token_ids if step.fill_rows else None

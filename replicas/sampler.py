@@ -1,8 +1,8 @@
 """Sampler: logits -> next tokens, batched over requests with different settings.
 
 Order of operations (as in vLLM): penalties, min_tokens (EOS and the stop
-token ids masked until that many tokens were generated) and logit_bias, then
-greedy argmax for temperature-0 rows; for the others temperature, min_p,
+token ids masked until that many tokens were generated) and logit_bias, the
+structured-output masks (replicas/grammar.py), then greedy argmax for temperature-0 rows; for the others temperature, min_p,
 top_k, top_p and a draw. Logprobs are taken from the raw model logits (log_softmax before any
 penalty or temperature), as vLLM returns them by default.
 
@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from replicas.grammar import apply_token_masks
 from replicas.sampling_params import SamplingParams
 from replicas.sequence import Sequence
 
@@ -55,9 +56,11 @@ class Sampler:
         logits: torch.Tensor,
         seqs: Seq[Sequence],
         params: Seq[SamplingParams] | None = None,
+        token_masks: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """logits: [N, V], one row per sequence (row i samples for seqs[i]).
 
+        token_masks: the rows' structured-output bitmask (grammar.token_masks), or None.
         params defaults to each sequence's sampling_params. Penalties read the
         sequences' tokens (presence and frequency: outputs; repetition:
         prompt and outputs, as in vLLM and HF).
@@ -73,7 +76,10 @@ class Sampler:
 
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, seqs, params)
-        logits = self._apply_min_tokens_and_bias(logits, seqs, params)
+        restricted = self._apply_min_tokens_and_bias(logits, seqs, params)
+        if token_masks is not None:  # where min_tokens or allowed_token_ids leave no token, the grammar wins
+            restricted = apply_token_masks(restricted, token_masks, fallback=None if restricted is logits else logits)
+        logits = restricted
         greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = greedy_ids

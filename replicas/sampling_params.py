@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from replicas.errors import InvalidRequestError
+from replicas.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # completions per request (OpenAI's limit); each is a sequence of its own (parallel_sampling.py)
@@ -46,7 +47,9 @@ class SamplingParams:
     adds a bias in [-100, 100] to the named tokens' logits before sampling (the engine checks the ids against
     the vocabulary). prompt_logprobs=k gives each prompt token's logprob and its position's top k
     (replicas/prompt_logprobs.py). allowed_token_ids (vLLM's) restricts sampling to those tokens;
-    truncate_prompt_tokens=k keeps the prompt's last k tokens. Invalid values raise InvalidRequestError naming
+    truncate_prompt_tokens=k keeps the prompt's last k tokens. structured_outputs (vLLM's
+    StructuredOutputsParams, or a dict of its fields) constrains the output to a JSON Schema, any JSON object, a
+    regex, a choice or an EBNF grammar (replicas/grammar.py). Invalid values raise InvalidRequestError naming
     every field at fault.
     """
 
@@ -71,6 +74,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -136,6 +140,10 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (
                 not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1):
             bad("truncate_prompt_tokens", "None or an integer >= 1")
+        try:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        except InvalidRequestError as exc:
+            problems += exc.problems
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "a bool")

@@ -81,6 +81,11 @@ class Tokenizer:
             single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {pair_bos}$B:1{pair_eos}", special_tokens=specials)
 
     @property
+    def backend(self) -> _HFTokenizer:
+        """The `tokenizers` object itself, for libraries that read the vocabulary (replicas/grammar.py)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -1,10 +1,12 @@
 """The OpenAI-compatible API's sampling and scoring features over an in-process LoRAServer, driven by the
 official openai client: n choices, logit_bias and min_tokens, echo with prompt logprobs, prompt lists,
-/tokenize, chat logprobs."""
+/tokenize, chat logprobs, structured outputs."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import openai
 import pytest
@@ -184,3 +186,49 @@ def test_chat_logprobs(stack):
         assert len(item.top_logprobs) == 2
         assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)  # greedy: the sampled token is the top one
         assert item.logprob <= 0
+
+
+def test_structured_outputs_by_every_name(stack):
+    """OpenAI's response_format (a JSON Schema, JSON mode) and vLLM's structured_outputs / guided_* reach the
+    engine's grammar (its semantics: tests/replicas/test_structured_outputs.py); the demo model's random weights
+    would not write any of these by chance. A schema that does not compile, two constraints at once, or a
+    json_schema format without its schema is a 400 naming the field."""
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+    from replicas.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(ensure_demo_checkpoint().model_dir)
+    schema = {"type": "object", "required": ["ok"], "additionalProperties": False,
+              "properties": {"ok": {"type": "boolean"}}}
+    kw = dict(model="demo-sql", max_tokens=24, temperature=0)
+    # JSON may hold any whitespace between tokens, which random weights would write on: the JSON's own tokens
+    # are pushed up, wherever the grammar lets them in
+    push = {str(t): 40 for text in ('"', "}", ":", "true", "false") for t in tok.encode(text, add_special_tokens=False)}
+    chat = dict(kw, messages=[{"role": "user", "content": "Answer in JSON"}], logit_bias=push)
+
+    async def go(c):
+        by_schema = await c.chat.completions.create(**chat, response_format={
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+        streamed = [ch async for ch in await c.chat.completions.create(**chat, stream=True, response_format={
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})]
+        choice = await c.completions.create(prompt="Pick", **kw, extra_body={"structured_outputs": {
+            "choice": ["red", "green"]}})
+        regex = await c.completions.create(prompt="Code", **kw, extra_body={"guided_regex": r"[A-F]{2}\d"})
+        text = await c.completions.create(prompt="Code", **kw, extra_body={"response_format": {"type": "text"}})
+        errors = []
+        for bad in ({"structured_outputs": {"regex": "(ab"}}, {"guided_regex": "a", "guided_choice": ["b"]},
+                    {"response_format": {"type": "json_schema"}}, {"structured_outputs": {"pattern": "a"}}):
+            with pytest.raises(openai.BadRequestError) as err:
+                await c.completions.create(prompt="x", **kw, extra_body=bad)
+            errors.append(err.value.body)
+        return by_schema, streamed, choice, regex, text, errors
+
+    by_schema, streamed, choice, regex, text, errors = run(stack, go)
+    assert isinstance(json.loads(by_schema.choices[0].message.content)["ok"], bool)
+    assert by_schema.choices[0].finish_reason == "stop"
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == \
+        by_schema.choices[0].message.content
+    assert choice.choices[0].text in ("red", "green") and re.fullmatch(r"[A-F]{2}\d", regex.choices[0].text)
+    assert not re.fullmatch(r"[A-F]{2}\d", text.choices[0].text)  # "text": no constraint
+    assert "cannot be compiled" in errors[0]["message"] and errors[0]["param"] == "structured_outputs"
+    assert "at most one of" in errors[1]["message"] and "json_schema" in errors[2]["message"]
+    assert "'pattern'" in errors[3]["message"]

@@ -129,12 +129,18 @@ def test_generate_n_completions_each_under_its_index(cluster):
     assert {c.index for c in both} == {0, 1}
 
 
-def test_generate_with_logit_bias_and_min_tokens(cluster):
+def test_generate_with_logit_bias_min_tokens_and_a_grammar(cluster):
     forced = _stream(cluster.stub, prompt=PROMPT, max_tokens=3, temperature=0.0, logit_bias={17: 100.0}, min_tokens=3)
     assert [t for c in forced for t in c.token_ids] == [17, 17, 17]
     allowed = _stream(cluster.stub, prompt=PROMPT, max_tokens=3, temperature=1.0, allowed_token_ids=[21],
                       truncate_prompt_tokens=2)
     assert [t for c in allowed for t in c.token_ids] == [21, 21, 21] and allowed[0].prompt_tokens == 2
+    picked = _stream(cluster.stub, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=2,
+                     structured_outputs=pb.StructuredOutputs(choice=["left", "right"]))
+    assert "".join(c.text for c in picked) in ("left", "right") and picked[-1].finish_reason == "stop"
+    with pytest.raises(grpc.RpcError) as err:
+        _stream(cluster.stub, prompt=PROMPT, max_tokens=3, structured_outputs=pb.StructuredOutputs(regex="[a-"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         _stream(cluster.stub, prompt=PROMPT, max_tokens=3, min_tokens=4)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in err.value.details()
@@ -191,6 +197,13 @@ def test_request_from_proto():
     msg = pb.GenerateRequest(prompt="hi", allowed_token_ids=[4, 9], truncate_prompt_tokens=3)
     req = request_from_proto(msg, "b", 16)
     assert req.sampling == {"max_tokens": 16, "allowed_token_ids": [4, 9], "truncate_prompt_tokens": 3}
+    so = pb.StructuredOutputs(json='{"type": "object"}', disable_any_whitespace=True)
+    req = request_from_proto(pb.GenerateRequest(prompt="hi", structured_outputs=so), "b", 16)
+    assert req.sampling == {"max_tokens": 16, "structured_outputs": {"json": '{"type": "object"}',
+                                                                     "disable_any_whitespace": True}}
+    req = request_from_proto(pb.GenerateRequest(prompt="hi", structured_outputs=pb.StructuredOutputs(choice=["a"])),
+                             "b", 16)
+    assert req.sampling["structured_outputs"] == {"choice": ["a"]}
     req = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")]), "base", 16)
     assert req.messages == [{"role": "user", "content": "x"}] and req.prompt is None
     for bad, field in [(pb.GenerateRequest(), "prompt"), (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt"),

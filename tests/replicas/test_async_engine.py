@@ -327,3 +327,33 @@ def test_n_completions_stream_with_logprobs_of_their_own_and_abort_together(demo
     assert [c.finish_reason for c in outs[-1].outputs] == ["length"] * 3
     assert long[-1].finished and [c.finish_reason for c in long[-1].outputs] == ["abort", "abort"]
     assert all(len(c.token_ids) < 1500 for c in long[-1].outputs)
+
+
+def test_structured_requests_compile_off_the_engine_thread(demo, cases, reference):
+    """A grammar is compiled on a worker thread before the engine's thread sees the request (there it is a cache
+    hit), so a slow compile holds up no running request; a bad one fails alone, as a dict of fields too."""
+    threads = []
+
+    async def body(engine):
+        compile_ = engine.engine.grammars.compile
+
+        def recording(spec):
+            threads.append((spec.kind, threading.current_thread().name == "lorafleet-engine"))
+            return compile_(spec)
+
+        engine.engine.grammars.compile = recording
+        choice = {"choice": ["left", "right"]}
+        results = await asyncio.gather(
+            collect(engine, "hi", {"temperature": 1.0, "seed": 5, "structured_outputs": choice}, "c0"),
+            collect(engine, "hi", {"structured_outputs": {"regex": "(ab"}}, "bad"),
+            *(collect(engine, p, _greedy(), f"g{i}", lora) for i, (p, lora) in enumerate(cases)),
+            return_exceptions=True)
+        return results
+
+    results = run(demo, body)
+    assert results[0][-1].outputs[0].text in ("left", "right") and results[0][-1].finished
+    assert isinstance(results[1], InvalidRequestError) and results[1].fields == ["structured_outputs"]
+    assert [_final(outs) for outs in results[2:]] == reference
+    # (kind, on the engine's thread): the choice first on a worker, then (a cache hit) by add_request
+    assert [on for kind, on in threads if kind == "choice"] == [False, True]
+    assert [on for kind, on in threads if kind == "regex"] == [False]  # refused before reaching the engine

@@ -1,0 +1,27 @@
+"""bench/structured_outputs.py --tiny runs end to end on CPU (its own process, the real command line): each mode
+prints a row, and only the constrained modes spend host time filling masks. Times are not compared; the GPU
+run (Llama-3-8B shape) is recorded in bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_mode_runs_and_only_constrained_ones_fill_masks(tmp_path):
+    env = dict(os.environ, LORAFLEET_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "structured_outputs.py"), "--tiny", "--requests", "4",
+                           "--concurrency", "2", "--prompt", "8", "--output", "6", "--repeats", "1", "--vocab", "3000",
+                           "--corpus-mb", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
+            if line.split()[:1] in (["free"], ["half"], ["json"]) and "/" not in line}
+    assert set(rows) == {"free", "half", "json"}
+    fill = {mode: float(row[4].removesuffix("ms")) for mode, row in rows.items()}
+    assert fill["json"] > 5 * fill["free"] and fill["half"] > 5 * fill["free"]
+    assert all(int(row[0]) > 0 for row in rows.values())  # tokens generated in every mode
+    assert "json / free: tok/s" in proc.stdout
