@@ -13,8 +13,9 @@ grammar states; with random weights a constrained output may end early, once its
 
     python bench/structured_outputs.py --requests 64 --concurrency 32 --prompt 256 --output 128
 
-Prints, per mode: generated tokens, wall time, tok/s, time per output token (p50 over requests), the host
-time the engine spent filling masks per step, and the ratios to "free".
+Prints, per mode: generated tokens, wall time, tok/s, time per output token (p50 over requests), and host
+time per step (mean): filling masks, the sampler's call (launching its kernels, the masks' copy among them)
+and the whole step() call; then the ratios to "free". --fill-threads sets replicas.grammar.FILL_THREADS.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.engine_workload import LLAMA3_8B, SPECIALS, TINY, write_model_dir  # noqa: E402
+from replicas import grammar  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 from replicas.sampling_params import SamplingParams  # noqa: E402
 from replicas.structured_outputs import StructuredOutputsParams  # noqa: E402
@@ -68,16 +70,23 @@ def run(engine: LLMEngine, a, mode: str, seed: int) -> dict:
     rng = random.Random(seed)
     vocab = engine.tokenizer.vocab_size
     constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    fill = []  # host seconds in token_masks, per step
-    real = engine.grammars.token_masks
+    host: dict[str, list[float]] = {"fill": [], "sample": [], "step": []}  # host seconds per step
 
-    def timed(*args, **kwargs):
-        t = time.perf_counter()
-        out = real(*args, **kwargs)
-        fill.append(time.perf_counter() - t)
-        return out
+    def timed(obj, name: str, key: str):
+        real = getattr(obj, name)
 
-    engine.grammars.token_masks = timed
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            out = real(*args, **kwargs)
+            host[key].append(time.perf_counter() - t)
+            return out
+
+        setattr(obj, name, wrapper)
+        return real
+
+    saved = [(engine.grammars, "token_masks", timed(engine.grammars, "token_masks", "fill")),
+             (engine.sampler, "sample", timed(engine.sampler, "sample", "sample")),
+             (engine, "step", timed(engine, "step", "step"))]
     first, last, counts = {}, {}, {}
     pending = list(range(a.requests))
     try:
@@ -100,11 +109,13 @@ def run(engine: LLMEngine, a, mode: str, seed: int) -> dict:
                     last[out.request_id] = now
         wall = time.perf_counter() - t0
     finally:
-        engine.grammars.token_masks = real
+        for obj, name, real in saved:
+            setattr(obj, name, real)
     tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in last if counts[r] > 1]
+    mean_ms = {key: statistics.mean(v) * 1e3 if v else 0.0 for key, v in host.items()}
     return dict(tokens=sum(counts.values()), wall=wall, tok_s=sum(counts.values()) / wall,
-                tpot_ms=statistics.median(tpot) * 1e3, fill_ms=statistics.mean(fill) * 1e3 if fill else 0.0,
-                steps=len(fill))
+                tpot_ms=statistics.median(tpot) * 1e3, fill_ms=mean_ms["fill"], sample_ms=mean_ms["sample"],
+                step_ms=mean_ms["step"], steps=len(host["step"]))
 
 
 def main() -> None:
@@ -116,8 +127,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode, rotated")
     p.add_argument("--vocab", type=int, default=128000, help="tokenizer vocabulary (BPE tokens trained)")
     p.add_argument("--corpus-mb", type=float, default=30.0, help="Python sources the tokenizer is trained on")
+    p.add_argument("--fill-threads", type=int, default=None, help="xgrammar threads per fill (default: the engine's)")
     p.add_argument("--tiny", action="store_true", help="a tiny model and vocabulary (CPU smoke run)")
     a = p.parse_args()
+    if a.fill_threads is not None:
+        grammar.FILL_THREADS = a.fill_threads
     shape = dict(TINY, vocab_size=max(TINY["vocab_size"], a.vocab)) if a.tiny else LLAMA3_8B
     device = "cpu" if a.tiny else "cuda"
     modes = ("free", "half", "json")
@@ -143,13 +157,14 @@ def main() -> None:
     print(f"{a.requests} requests, {a.concurrency} at a time, prompt {a.prompt}, output <= {a.output}, "
           f"{'tiny' if a.tiny else '8B'}; tokenizer {engine.tokenizer.vocab_size} tokens (trained in {trained:.1f} s); "
           f"first structured request's set-up {first_use:.2f} s")
-    print(f"{'mode':6} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'tpot p50':>9} {'fill/step':>10} {'steps':>6}")
+    print(f"{'mode':6} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'tpot p50':>9} {'fill/step':>10} "
+          f"{'sample/step':>12} {'step() host':>12} {'steps':>6}")
     med = {}
     for mode in modes:
         runs = results[mode]
         med[mode] = m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"{mode:6} {m['tokens']:7.0f} {m['wall']:8.2f} {m['tok_s']:9.1f} {m['tpot_ms']:7.2f}ms "
-              f"{m['fill_ms']:8.3f}ms {m['steps']:6.0f}")
+              f"{m['fill_ms']:8.3f}ms {m['sample_ms']:10.3f}ms {m['step_ms']:10.3f}ms {m['steps']:6.0f}")
     f = med["free"]
     for mode in modes[1:]:
         m = med[mode]

@@ -4,8 +4,8 @@ xgrammar (the backend vLLM and SGLang default to) compiles a
 StructuredOutputsParams against the tokenizer's vocabulary once. A matcher then
 follows one sequence's tokens and fills, for its next step, a bitmask of the
 tokens that keep the output inside the grammar (one bit a token, 32 to an
-int32), in tens of microseconds on the host, the step's rows on several
-threads (xgrammar's BatchGrammarMatcher). The engine fills a step's masks
+int32), in microseconds on the host, the step's rows in one call (xgrammar's
+BatchGrammarMatcher). The engine fills a step's masks
 after launching the step, so with async scheduling the GPU computes while the
 host fills; the sampler applies them out of place (apply_token_masks).
 
@@ -34,6 +34,10 @@ from replicas.tokenizer import Tokenizer
 
 # Compiled grammars kept for requests that repeat a schema (xgrammar's own cache, bounded by bytes).
 COMPILE_CACHE_BYTES = 256 << 20
+# Threads that fill one step's masks. xgrammar's BatchGrammarMatcher starts its threads on every call: with 8
+# (its "auto" on 16 cores) an 8B step's 32 masks took 5 ms against 0.9 filled one by one (H100,
+# bench/structured_outputs.py, RESULTS.md twenty-seventh session); one thread still saves the per-row Python calls.
+FILL_THREADS = 1
 # xgrammar's messages start with the C++ source position: "[12:00:01] /project/cpp/x.cc:83: ...".
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
@@ -80,7 +84,7 @@ class GrammarBackend:
                 info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                                stop_token_ids=None if eos is None else [eos])
                 self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=COMPILE_CACHE_BYTES)
-                self._batch = xgrammar.BatchGrammarMatcher()
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads=FILL_THREADS)
             return self._compiler
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
