@@ -8,6 +8,13 @@ penalty or temperature), as vLLM returns them by default.
 
 A seeded request draws from its own torch.Generator, one row of noise per
 step, so its tokens do not depend on which other requests share the batch.
+
+Nothing here waits for the GPU: with async scheduling the sampler's kernels
+are queued behind a step that is still running, and the host must go on to
+the next step meanwhile. So host values reach the device through pinned
+memory without blocking (_on), a decision is taken on host values, never on a
+device tensor, and the logprobs are read back only when first used (by then
+the engine has read the step's tokens back, so nothing is left to wait for).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable
 
 import torch
 
@@ -41,13 +48,35 @@ class SampleLogprobs:
         return d
 
 
-class SamplerOutput(NamedTuple):
-    token_ids: torch.Tensor  # [N] int64, on the logits' device
-    logprobs: list[SampleLogprobs | None]  # None where the request asked for none
+class SamplerOutput:
+    """token_ids: [N] int64, on the logits' device. logprobs: one per row, None where the request asked for none;
+    read back from the device on first use."""
+
+    def __init__(self, token_ids: torch.Tensor, n: int, read_logprobs: Callable[[], list] | None = None) -> None:
+        self.token_ids = token_ids
+        self._n = n
+        self._read = read_logprobs
+        self._logprobs: list[SampleLogprobs | None] | None = None
+
+    @property
+    def logprobs(self) -> list[SampleLogprobs | None]:
+        if self._logprobs is None:
+            self._logprobs = self._read() if self._read is not None else [None] * self._n
+        return self._logprobs
+
+    def __iter__(self):  # unpacks as (token_ids, logprobs), as the named tuple it was
+        return iter((self.token_ids, self.logprobs))
+
+
+def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting: a plain copy from pageable memory first waits for every
+    kernel queued on the stream (the running step's), a pinned one does not."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return _on(values, like.dtype, like.device).unsqueeze(1)
 
 
 class Sampler:
@@ -85,15 +114,12 @@ class Sampler:
         token_ids = greedy_ids
         if random_rows:
             token_ids = greedy_ids.clone()
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = _on(random_rows, torch.long, logits.device)
             sub = [params[i] for i in random_rows]
             token_ids[rows] = self._sample_random(logits[rows], [seqs[i] for i in random_rows], sub)
 
-        logprobs: list[SampleLogprobs | None] = [None] * n
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            logprobs = self._logprobs(raw, token_ids, want, params, n)
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, n, self._logprobs(raw, token_ids, want, params, n) if want else None)
 
     # -- steps ------------------------------------------------------------
     @staticmethod
@@ -103,18 +129,15 @@ class Sampler:
 
         def counts(token_lists: list[list[int]]) -> torch.Tensor:
             # Padding goes to an extra column that is dropped afterwards.
-            width = max((len(t) for t in token_lists), default=0)
-            ids = torch.full((n, max(width, 1)), vocab, dtype=torch.long)
-            for i, t in enumerate(token_lists):
-                if t:
-                    ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            c = torch.zeros((n, vocab + 1), dtype=logits.dtype)
+            width = max(1, max((len(t) for t in token_lists), default=0))
+            ids = _on([list(t) + [vocab] * (width - len(t)) for t in token_lists], torch.long, device)
+            c = torch.zeros((n, vocab + 1), dtype=logits.dtype, device=device)
             c.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
-            return c[:, :vocab].to(device)
+            return c[:, :vocab]
 
         out_counts = counts([list(s.output_token_ids) for s in seqs])
         rep = _column([p.repetition_penalty for p in params], logits)
-        if bool((rep != 1).any()):
+        if any(p.repetition_penalty != 1 for p in params):
             seen = (counts([list(s.prompt_token_ids) for s in seqs]) > 0) | (out_counts > 0)
             scaled = torch.where(logits > 0, logits / rep, logits * rep)
             logits = torch.where(seen, scaled, logits)
@@ -145,15 +168,14 @@ class Sampler:
                 values += p.logit_bias.values()
         device = logits.device
         if rows:
-            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-            logits = logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+            index = (_on(rows, torch.long, device), _on(cols, torch.long, device))
+            logits = logits.index_put(index, _on(values, logits.dtype, device), accumulate=True)
         allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
         if allowed:  # every other token -inf: a mask of the allowed ones, applied out of place
-            rows_mask = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool)
-            for j, (_, ids) in enumerate(allowed):
-                rows_mask[j, ids] = True
             keep = torch.ones(logits.shape, dtype=torch.bool, device=device)
-            keep[torch.tensor([i for i, _ in allowed], device=device)] = rows_mask.to(device)
+            keep[_on([i for i, _ in allowed], torch.long, device)] = False
+            rows = [i for i, ids in allowed for _ in ids]
+            keep[_on(rows, torch.long, device), _on([t for _, ids in allowed for t in ids], torch.long, device)] = True
             logits = logits.masked_fill(~keep, -math.inf)
         return logits
 
@@ -161,8 +183,8 @@ class Sampler:
     def _sample_random(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         logits = logits / _column([p.temperature for p in params], logits)
 
-        min_p = _column([p.min_p for p in params], logits)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
+            min_p = _column([p.min_p for p in params], logits)
             probs = logits.softmax(dim=-1)
             too_small = probs < min_p * probs.amax(dim=-1, keepdim=True)
             logits = logits.masked_fill(too_small, float("-inf"))
@@ -183,28 +205,32 @@ class Sampler:
             else:
                 q[i].exponential_(generator=gen)
         if unseeded:
-            idx = torch.tensor(unseeded, device=probs.device)
+            idx = _on(unseeded, torch.long, probs.device)
             q[idx] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
         return (probs / q).argmax(dim=-1)
 
     @staticmethod
     def _logprobs(
         raw: torch.Tensor, token_ids: torch.Tensor, rows: list[int], params: Seq[SamplingParams], n: int
-    ) -> list[SampleLogprobs | None]:
-        idx = torch.tensor(rows, device=raw.device)
+    ) -> Callable[[], list[SampleLogprobs | None]]:
+        """Queue the rows' logprob kernels now; the returned function reads them back."""
+        idx = _on(rows, torch.long, raw.device)
         lp = raw[idx].log_softmax(dim=-1)
         chosen = token_ids[idx]
         chosen_lp = lp.gather(1, chosen.unsqueeze(1))
         ranks = (lp > chosen_lp).sum(dim=-1) + 1
-        k = max(params[i].logprobs for i in rows)
-        top_lp, top_ids = lp.topk(k, dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        chosen, chosen_lp, ranks = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
-        out: list[SampleLogprobs | None] = [None] * n
-        for j, i in enumerate(rows):
-            kk = params[i].logprobs
-            out[i] = SampleLogprobs(chosen[j], chosen_lp[j], ranks[j], top_ids[j][:kk], top_lp[j][:kk])
-        return out
+        top_lp, top_ids = lp.topk(max(params[i].logprobs for i in rows), dim=-1)
+        kks = [params[i].logprobs for i in rows]
+
+        def read() -> list[SampleLogprobs | None]:
+            tl, ti = top_lp.tolist(), top_ids.tolist()
+            ch, chl, rk = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
+            out: list[SampleLogprobs | None] = [None] * n
+            for j, (i, kk) in enumerate(zip(rows, kks)):
+                out[i] = SampleLogprobs(ch[j], chl[j], rk[j], ti[j][:kk], tl[j][:kk])
+            return out
+
+        return read
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -215,12 +241,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(1)
+    k = _on([kk if kk > 0 else vocab for kk in top_k], torch.long, logits.device).unsqueeze(1)
     drop = positions >= k
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-    p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device).unsqueeze(1)
+    p = _on(top_p, probs.dtype, logits.device).unsqueeze(1)
     drop = drop | (before >= p)
     drop[:, 0] = False
     return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))

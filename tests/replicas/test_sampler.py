@@ -204,3 +204,33 @@ def test_allowed_token_ids_restrict_each_rows_choice(device):
     out = Sampler().sample(logits, seqs_for(params)).token_ids.tolist()
     assert out[0] == allowed[int(logits[0, allowed].argmax())] and out[1] == 7
     assert out[2] == int(logits[2].argmax())
+
+
+@pytest.mark.gpu
+def test_sampling_never_waits_for_the_gpu():
+    """Under async scheduling the sampler's kernels queue behind a step still running: no call may synchronize
+    (CUDA's sync debug mode makes one an error). Every setting that moves host values to the device is on; the
+    logprobs are read back after, on first use."""
+    from replicas.grammar import apply_token_masks  # noqa: F401  (the masks' path: test_structured_outputs.py)
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5)).cuda()
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=1, logprobs=2),
+              SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1),
+              SamplingParams(temperature=0, logit_bias={3: 5.0}, min_tokens=4, stop_token_ids=[7]),
+              SamplingParams(temperature=1.0, allowed_token_ids=[5, 9, 11]),
+              SamplingParams(temperature=0, logprobs=0),
+              SamplingParams(temperature=1.0)]
+    seqs = seqs_for(params, outputs=[4, 5, 4])
+    masks = torch.full((6, 10), -1, dtype=torch.int32).pin_memory()
+    masks[5] = 0
+    masks[5, 0] = 1 << 8  # row 5: token 8 only
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler().sample(logits, seqs, token_masks=masks)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ids = out.token_ids.tolist()
+    assert ids[3] in (5, 9, 11) and ids[5] == 8
+    assert out.logprobs[0].token_id == ids[0] and len(out.logprobs[0].top_token_ids) == 2
+    assert out.logprobs[1] is None and out.logprobs[4].rank == 1
