@@ -172,10 +172,13 @@ class Sampler:
             logits = logits.index_put(index, _on(values, logits.dtype, device), accumulate=True)
         allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
         if allowed:  # every other token -inf: a mask of the allowed ones, applied out of place
+            # (index_fill_ / index_put_ with a device value: `keep[index] = False` copies the value from the host)
             keep = torch.ones(logits.shape, dtype=torch.bool, device=device)
-            keep[_on([i for i, _ in allowed], torch.long, device)] = False
+            keep.index_fill_(0, _on([i for i, _ in allowed], torch.long, device), False)
+            cols = [t for _, ids in allowed for t in ids]
             rows = [i for i, ids in allowed for _ in ids]
-            keep[_on(rows, torch.long, device), _on([t for _, ids in allowed for t in ids], torch.long, device)] = True
+            keep.index_put_((_on(rows, torch.long, device), _on(cols, torch.long, device)),
+                            torch.ones(len(cols), dtype=torch.bool, device=device))
             logits = logits.masked_fill(~keep, -math.inf)
         return logits
 
@@ -248,5 +251,5 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
     p = _on(top_p, probs.dtype, logits.device).unsqueeze(1)
     drop = drop | (before >= p)
-    drop[:, 0] = False
+    drop[:, 0].fill_(False)
     return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
