@@ -39,7 +39,8 @@ _HTTP_TO_GRPC = {
 }
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "n", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+                      "repetition_penalty", "n", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
+                      "skip_special_tokens")
 _STRUCTURED = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
 
 
@@ -107,6 +108,10 @@ def request_from_proto(msg: pb.GenerateRequest, model_name: str, default_max_tok
         sampling["logit_bias"] = dict(msg.logit_bias)
     if msg.allowed_token_ids:
         sampling["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.bad_words:
+        sampling["bad_words"] = list(msg.bad_words)
+    if msg.include_stop_str_in_output:
+        sampling["include_stop_str_in_output"] = True
     if msg.HasField("structured_outputs"):  # unset fields are proto3 defaults: only those given travel
         so = msg.structured_outputs
         sampling["structured_outputs"] = {name: (list(v) if name == "choice" else v) for name in _STRUCTURED

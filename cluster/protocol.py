@@ -57,6 +57,9 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's extras from here on
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None  # OpenAI's; the next five are vLLM's (replicas/structured_outputs.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -96,7 +99,9 @@ class _Sampling(_Body):
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     repetition_penalty=self.repetition_penalty, logprobs=logprobs, min_tokens=self.min_tokens,
                     logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
-                    truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=self.structured())
+                    truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=self.structured(),
+                    bad_words=self.bad_words, skip_special_tokens=self.skip_special_tokens,
+                    include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 class CompletionRequest(_Sampling):

@@ -40,7 +40,7 @@ from replicas.grammar import GrammarBackend, SequenceGrammar
 from replicas.model_runner import RunnerConfig
 from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.parallel_sampling import FanOut, child_id, child_params
-from replicas.request_inputs import check_token_ids, checked_settings, prompt_ids, truncated
+from replicas.request_inputs import bad_words_ids, check_token_ids, checked_settings, prompt_ids, truncated
 from replicas.sampled_step import SampledStep, step_input
 from replicas.sampler import Sampler
 from replicas.sampling_params import SamplingParams
@@ -208,7 +208,8 @@ class LLMEngine:
                 loading = self.adapters.start(lora_request)
             except LoRAError as exc:  # the adapter's own problem, for this request only
                 raise InvalidRequestError([("lora_request", str(exc))]) from exc
-        seq = Sequence(request_id, ids, params, lora_request, eos_token_ids=self._eos)
+        seq = Sequence(request_id, ids, params, lora_request, eos_token_ids=self._eos,
+                       bad_words_ids=bad_words_ids(self.tokenizer, params))
         seq.prefix_leader = prefix_leader
         if loading:  # a broken adapter fails this request later, as an output with .error
             self._parked.setdefault(lora_request.lora_int_id, []).append(seq)

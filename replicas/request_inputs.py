@@ -48,6 +48,18 @@ def check_token_ids(params: SamplingParams, vocab: int) -> None:
                                               f"vocabulary [0, {vocab})")])
 
 
+def bad_words_ids(tokenizer: Tokenizer, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+    """The token sequences SamplingParams.bad_words forbids: each word as its tokens at the start of a text and
+    after a space (a word usually tokenizes differently there), without repeats."""
+    seqs: dict[tuple[int, ...], None] = {}
+    for word in params.bad_words or ():
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                seqs[ids] = None
+    return tuple(seqs)
+
+
 def truncated(ids: list[int], params: SamplingParams) -> list[int]:
     """The prompt's last truncate_prompt_tokens ids (vLLM's: keep the end, where the question usually is)."""
     k = params.truncate_prompt_tokens

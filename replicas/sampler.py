@@ -148,9 +148,9 @@ class Sampler:
     @staticmethod
     def _apply_min_tokens_and_bias(logits: torch.Tensor, seqs: Seq[Sequence],
                                    params: Seq[SamplingParams]) -> torch.Tensor:
-        """-inf on EOS (unless ignore_eos) and the stop token ids of rows short of min_tokens; + each row's
-        logit_bias; -inf on every token outside a row's allowed_token_ids. Out of place: logits may be a CUDA
-        graph's output buffer."""
+        """-inf on EOS (unless ignore_eos) and the stop token ids of rows short of min_tokens, and on each bad
+        word's last token where the output ends with the rest of it; + each row's logit_bias; -inf on every token
+        outside a row's allowed_token_ids. Out of place: logits may be a CUDA graph's output buffer."""
         vocab = logits.shape[1]
         rows: list[int] = []
         cols: list[int] = []
@@ -159,6 +159,13 @@ class Sampler:
             if p.min_tokens and seq.num_output_tokens < p.min_tokens:
                 # a stop id past the vocabulary can never be sampled: nothing to mask
                 banned = {t for t in p.stop_token_ids if t < vocab} | (set() if p.ignore_eos else seq.eos_token_ids)
+                rows += [i] * len(banned)
+                cols += banned
+                values += [-math.inf] * len(banned)
+            if seq.bad_words_ids:
+                out = seq.output_token_ids
+                banned = {w[-1] for w in seq.bad_words_ids
+                          if w[-1] < vocab and len(w) - 1 <= len(out) and tuple(out[len(out) - len(w) + 1:]) == w[:-1]}
                 rows += [i] * len(banned)
                 cols += banned
                 values += [-math.inf] * len(banned)

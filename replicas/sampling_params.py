@@ -49,7 +49,8 @@ class SamplingParams:
     (replicas/prompt_logprobs.py). allowed_token_ids (vLLM's) restricts sampling to those tokens;
     truncate_prompt_tokens=k keeps the prompt's last k tokens. structured_outputs (vLLM's
     StructuredOutputsParams, or a dict of its fields) constrains the output to a JSON Schema, any JSON object, a
-    regex, a choice or an EBNF grammar (replicas/grammar.py). Invalid values raise InvalidRequestError naming
+    regex, a choice or an EBNF grammar (replicas/grammar.py). bad_words (vLLM's) are never generated: a word's
+    last token is banned wherever the output ends with the tokens before it. Invalid values raise InvalidRequestError naming
     every field at fault.
     """
 
@@ -75,6 +76,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -137,6 +139,12 @@ class SamplingParams:
                 bad("allowed_token_ids", "None or a non-empty list of token ids >= 0")
             else:
                 self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                bad("bad_words", "None or a list of words (strings that are not blank)")
+            else:
+                self.bad_words = list(words)
         if self.truncate_prompt_tokens is not None and (
                 not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1):
             bad("truncate_prompt_tokens", "None or an integer >= 1")

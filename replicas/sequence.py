@@ -61,6 +61,7 @@ class Sequence:
         lora_request: LoRARequest | None = None,
         arrival_time: float | None = None,
         eos_token_ids: int | Iterable[int] | None = None,
+        bad_words_ids: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -73,6 +74,7 @@ class Sequence:
         elif isinstance(eos_token_ids, int):
             eos_token_ids = (eos_token_ids,)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.bad_words_ids = bad_words_ids  # SamplingParams.bad_words as token sequences (request_inputs.py)
 
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0

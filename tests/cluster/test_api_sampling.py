@@ -232,3 +232,25 @@ def test_structured_outputs_by_every_name(stack):
     assert "cannot be compiled" in errors[0]["message"] and errors[0]["param"] == "structured_outputs"
     assert "at most one of" in errors[1]["message"] and "json_schema" in errors[2]["message"]
     assert "'pattern'" in errors[3]["message"]
+
+
+def test_bad_words_special_tokens_and_stop_strings_in_the_text(stack):
+    """vLLM's bad_words, skip_special_tokens and include_stop_str_in_output (extra_body) reach the engine."""
+    kw = dict(model="demo-sql", prompt="The quick brown fox", max_tokens=6, temperature=0)
+
+    async def go(c):
+        plain = await c.completions.create(**kw)
+        word = next(w for w in plain.choices[0].text.split() if w.isalpha())
+        banned = await c.completions.create(**kw, extra_body={"bad_words": [word]})
+        stop = plain.choices[0].text[3:6]
+        cut = await c.completions.create(**kw, stop=[stop])
+        kept = await c.completions.create(**kw, stop=[stop], extra_body={"include_stop_str_in_output": True})
+        eos = dict(kw, max_tokens=2, logit_bias={"2": 100})  # EOS forced, and ignored
+        hidden = await c.completions.create(**eos, extra_body={"ignore_eos": True})
+        shown = await c.completions.create(**eos, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+        return plain, word, banned, stop, cut, kept, hidden, shown
+
+    plain, word, banned, stop, cut, kept, hidden, shown = run(stack, go)
+    assert f" {word}" in plain.choices[0].text and f" {word}" not in banned.choices[0].text
+    assert kept.choices[0].text == cut.choices[0].text + stop and kept.choices[0].finish_reason == "stop"
+    assert hidden.choices[0].text == "" and shown.choices[0].text == "</s></s>"

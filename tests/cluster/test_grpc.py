@@ -204,6 +204,10 @@ def test_request_from_proto():
     req = request_from_proto(pb.GenerateRequest(prompt="hi", structured_outputs=pb.StructuredOutputs(choice=["a"])),
                              "b", 16)
     assert req.sampling["structured_outputs"] == {"choice": ["a"]}
+    msg = pb.GenerateRequest(prompt="hi", bad_words=["x", "y z"], skip_special_tokens=False,
+                             include_stop_str_in_output=True)
+    assert request_from_proto(msg, "b", 16).sampling == {"max_tokens": 16, "bad_words": ["x", "y z"],
+                                                         "skip_special_tokens": False, "include_stop_str_in_output": True}
     req = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")]), "base", 16)
     assert req.messages == [{"role": "user", "content": "x"}] and req.prompt is None
     for bad, field in [(pb.GenerateRequest(), "prompt"), (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt"),

@@ -250,3 +250,24 @@ def test_penalties_reduce_repetition(llm, penalty):
     negative = {name: -2.0 for name in penalty}
     rewarded = tokens(llm.generate(prompts, greedy(128, **negative)))
     assert sum(map(_repeats, rewarded)) > sum(map(_repeats, plain))
+
+
+def test_bad_words_never_appear_as_their_tokens(llm, first_run):
+    """vLLM's bad_words: the word's tokens (at a text's start and after a space) never end up in the output; the
+    rest of the output may change, as the ban moves the sampling elsewhere."""
+    from replicas.request_inputs import bad_words_ids
+
+    tok = llm.engine.tokenizer
+    word = next(w for w in first_run.text.split() if w.isalpha() and len(w) > 2)
+    params = greedy(32, bad_words=[word, "the"])
+    banned = bad_words_ids(tok, params)
+    assert len(banned) >= 3 and (tuple(tok.encode(" " + word, add_special_tokens=False)) in banned)
+    def holds(ids):
+        return any(tuple(ids[i:i + len(w)]) == w for w in banned for i in range(len(ids)))
+
+    assert holds(first_run.token_ids)  # the free run wrote one of them
+    out = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert not holds(out.token_ids)
+    assert out.token_ids != first_run.token_ids
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        greedy(4, bad_words=["ok", " "])

@@ -234,3 +234,19 @@ def test_sampling_never_waits_for_the_gpu():
     assert ids[3] in (5, 9, 11) and ids[5] == 8
     assert out.logprobs[0].token_id == ids[0] and len(out.logprobs[0].top_token_ids) == 2
     assert out.logprobs[1] is None and out.logprobs[4].rank == 1
+
+
+@ON_DEVICES
+def test_bad_words_ban_a_words_last_token_after_the_rest_of_it(device):
+    logits = torch.zeros(3, 20, device=device)
+    logits[:, 8] = 3.0  # every row's greedy pick ...
+    logits[:, 6] = 2.0  # ... then this one
+    seqs = seqs_for([SamplingParams(temperature=0)] * 3)
+    words = ((8,), (4, 6), (1, 2, 6))
+    for s, out in zip(seqs, ([], [5, 2], [9, 1, 2])):
+        s.output_token_ids = out
+        s.bad_words_ids = words
+    ids = Sampler().sample(logits, seqs).token_ids.tolist()
+    # 8 is banned everywhere (a one-token word); 6 only where the output ends with 1, 2 (row 2); row 1 ends
+    # with 2 alone, row 0 with nothing, so there 6 stays
+    assert ids[0] == 6 and ids[1] == 6 and ids[2] not in (8, 6)
