@@ -13,16 +13,20 @@ grammar states; with random weights a constrained output may end early, once its
 
     python bench/structured_outputs.py --requests 64 --concurrency 32 --prompt 256 --output 128
 
-Prints, per mode: generated tokens, wall time, tok/s, time per output token (p50 over requests), and host
-time per step (mean): filling masks, the sampler's call (launching its kernels, the masks' copy among them)
-and the whole step() call; then the ratios to "free". --fill-threads sets replicas.grammar.FILL_THREADS.
+Prints, per mode: generated tokens, wall time, tok/s, time per output token (p50 over requests), host time
+per step (mean): filling masks, the sampler's call (launching its kernels, the masks' copy among them) and
+the whole step() call; and the median step() of the steps that decoded a full batch with no prompt tokens
+(with async scheduling, the step's period: the fairest figure, as constrained outputs that end early bring
+more prompts into the other steps); then the ratios to "free". --fill-threads sets replicas.grammar.FILL_THREADS.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import glob
 import os
+import pstats
 import random
 import statistics
 import sys
@@ -87,6 +91,16 @@ def run(engine: LLMEngine, a, mode: str, seed: int) -> dict:
     saved = [(engine.grammars, "token_masks", timed(engine.grammars, "token_masks", "fill")),
              (engine.sampler, "sample", timed(engine.sampler, "sample", "sample")),
              (engine, "step", timed(engine, "step", "step"))]
+    full: list[bool] = []  # per step: a whole batch of decode rows, no prompt tokens
+    schedule = engine.scheduler.schedule
+
+    def scheduling():
+        out = schedule()
+        full.append(len(out.scheduled) == a.concurrency and not any(s.is_prefill for s in out.scheduled))
+        return out
+
+    engine.scheduler.schedule = scheduling
+    saved.append((engine.scheduler, "schedule", schedule))
     first, last, counts = {}, {}, {}
     pending = list(range(a.requests))
     try:
@@ -113,9 +127,12 @@ def run(engine: LLMEngine, a, mode: str, seed: int) -> dict:
             setattr(obj, name, real)
     tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in last if counts[r] > 1]
     mean_ms = {key: statistics.mean(v) * 1e3 if v else 0.0 for key, v in host.items()}
+    # a step() call's length, for steps that decoded a full batch: the step's period once the GPU sets the pace
+    decode = [t for t, f in zip(host["step"], full) if f]
     return dict(tokens=sum(counts.values()), wall=wall, tok_s=sum(counts.values()) / wall,
                 tpot_ms=statistics.median(tpot) * 1e3, fill_ms=mean_ms["fill"], sample_ms=mean_ms["sample"],
-                step_ms=mean_ms["step"], steps=len(host["step"]))
+                step_ms=mean_ms["step"], steps=len(host["step"]),
+                decode_ms=statistics.median(decode) * 1e3 if decode else 0.0, decode_steps=len(decode))
 
 
 def main() -> None:
@@ -128,6 +145,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128000, help="tokenizer vocabulary (BPE tokens trained)")
     p.add_argument("--corpus-mb", type=float, default=30.0, help="Python sources the tokenizer is trained on")
     p.add_argument("--fill-threads", type=int, default=None, help="xgrammar threads per fill (default: the engine's)")
+    p.add_argument("--profile", choices=("free", "half", "json"), help="then one more run of this mode under "
+                   "cProfile: the host's functions by own time")
     p.add_argument("--tiny", action="store_true", help="a tiny model and vocabulary (CPU smoke run)")
     a = p.parse_args()
     if a.fill_threads is not None:
@@ -153,22 +172,28 @@ def main() -> None:
             for k in range(len(modes)):
                 mode = modes[(k + r) % len(modes)]
                 results[mode].append(run(engine, a, mode, 1000 + 10 * r))
+        if a.profile:
+            profiler = cProfile.Profile()
+            profiler.runcall(run, engine, a, a.profile, 7)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         engine.shutdown()
     print(f"{a.requests} requests, {a.concurrency} at a time, prompt {a.prompt}, output <= {a.output}, "
           f"{'tiny' if a.tiny else '8B'}; tokenizer {engine.tokenizer.vocab_size} tokens (trained in {trained:.1f} s); "
           f"first structured request's set-up {first_use:.2f} s")
     print(f"{'mode':6} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'tpot p50':>9} {'fill/step':>10} "
-          f"{'sample/step':>12} {'step() host':>12} {'steps':>6}")
+          f"{'sample/step':>12} {'step() host':>12} {'steps':>6} {'full decode':>12} {'steps':>6}")
     med = {}
     for mode in modes:
         runs = results[mode]
         med[mode] = m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"{mode:6} {m['tokens']:7.0f} {m['wall']:8.2f} {m['tok_s']:9.1f} {m['tpot_ms']:7.2f}ms "
-              f"{m['fill_ms']:8.3f}ms {m['sample_ms']:10.3f}ms {m['step_ms']:10.3f}ms {m['steps']:6.0f}")
+              f"{m['fill_ms']:8.3f}ms {m['sample_ms']:10.3f}ms {m['step_ms']:10.3f}ms {m['steps']:6.0f} "
+              f"{m['decode_ms']:10.3f}ms {m['decode_steps']:6.0f}")
     f = med["free"]
     for mode in modes[1:]:
         m = med[mode]
-        print(f"{mode} / free: tok/s {m['tok_s'] / f['tok_s']:.3f}  tpot {m['tpot_ms'] / f['tpot_ms']:.3f}")
+        print(f"{mode} / free: tok/s {m['tok_s'] / f['tok_s']:.3f}  tpot {m['tpot_ms'] / f['tpot_ms']:.3f}  "
+              f"full-batch decode step {m['decode_ms'] / f['decode_ms']:.3f}")
 
 
 if __name__ == "__main__":

@@ -319,6 +319,7 @@ class LLMEngine:
     def _read_back(self, step: SampledStep, touched: dict[str, Sequence]) -> None:
         """Put a sampled step's real tokens in place; stop tokens, EOS and stop strings finish requests."""
         tokens = step.tokens()
+        constrained: list[tuple[Sequence, SequenceGrammar, int]] = []
         for seq, index, row in step.pending:
             token = tokens[row]
             seq.output_token_ids[index] = token
@@ -331,14 +332,17 @@ class LLMEngine:
             reason, stop = self.scheduler.token_stop(seq, token)
             if reason is not None:
                 self._stop(seq, reason, stop)
-            if state.grammar is not None and (not state.grammar.accept(token) or state.grammar.is_terminated):
-                self._stop(seq, "stop", None)  # complete (EOS under ignore_eos); a refused token cannot be sampled
+            if state.grammar is not None:
+                constrained.append((seq, state.grammar, token))
             params = seq.sampling_params
             hide = token in params.stop_token_ids and not params.include_stop_str_in_output
             delta = state.detok.add_tokens([] if hide else [token])  # a stop token's text is not output
             if delta.stopped:
                 self._stop(seq, "stop", state.detok.stop_str)
             touched[seq.request_id] = seq
+        for seq, ended in zip((c[0] for c in constrained), self.grammars.advance([c[1:] for c in constrained])):
+            if ended:  # complete (EOS under ignore_eos); a refused token cannot have been sampled
+                self._stop(seq, "stop", None)
 
     def _stop(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         if not seq.is_finished:

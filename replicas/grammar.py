@@ -114,6 +114,17 @@ class GrammarBackend:
         return SequenceGrammar(xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(set(stop_token_ids))))
 
 
+    def advance(self, steps: list[tuple[SequenceGrammar, int]]) -> list[bool]:
+        """Each grammar takes its sequence's sampled token, all in one call; True where that ends the sequence
+        (the grammar is complete and took a stop token, or, which masked sampling rules out, refused it)."""
+        if not steps:
+            return []
+        import xgrammar
+
+        grammars = [g for g, _ in steps]
+        taken = xgrammar.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], [t for _, t in steps])
+        return [not ok or g.is_terminated for g, ok in zip(grammars, taken)]
+
     def token_masks(self, grammars: list[SequenceGrammar | None], pin: bool) -> torch.Tensor | None:
         """The step's bitmask, [rows, ceil(vocab / 32)] int32 on the host (pinned for a non-blocking copy when
         pin): a row's allowed next tokens, all ones for a row with no grammar or a terminated one. None: no row
