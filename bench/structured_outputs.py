@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.closed_loop import run_closed_loop  # noqa: E402
 from bench.engine_workload import LLAMA3_8B, SPECIALS, TINY, write_model_dir  # noqa: E402
 from replicas import grammar  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
@@ -74,65 +75,15 @@ def run(engine: LLMEngine, a, mode: str, seed: int) -> dict:
     rng = random.Random(seed)
     vocab = engine.tokenizer.vocab_size
     constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    host: dict[str, list[float]] = {"fill": [], "sample": [], "step": []}  # host seconds per step
 
-    def timed(obj, name: str, key: str):
-        real = getattr(obj, name)
+    def make(i: int):
+        constrained = mode == "json" or (mode == "half" and i % 2 == 0)
+        params = SamplingParams(temperature=1.0, seed=seed + i, max_tokens=a.output, ignore_eos=True,
+                                structured_outputs=constraint if constrained else None)
+        return [rng.randrange(len(SPECIALS), vocab) for _ in range(a.prompt)], params
 
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            out = real(*args, **kwargs)
-            host[key].append(time.perf_counter() - t)
-            return out
-
-        setattr(obj, name, wrapper)
-        return real
-
-    saved = [(engine.grammars, "token_masks", timed(engine.grammars, "token_masks", "fill")),
-             (engine.sampler, "sample", timed(engine.sampler, "sample", "sample")),
-             (engine, "step", timed(engine, "step", "step"))]
-    full: list[bool] = []  # per step: a whole batch of decode rows, no prompt tokens
-    schedule = engine.scheduler.schedule
-
-    def scheduling():
-        out = schedule()
-        full.append(len(out.scheduled) == a.concurrency and not any(s.is_prefill for s in out.scheduled))
-        return out
-
-    engine.scheduler.schedule = scheduling
-    saved.append((engine.scheduler, "schedule", schedule))
-    first, last, counts = {}, {}, {}
-    pending = list(range(a.requests))
-    try:
-        t0 = time.perf_counter()
-        while pending or engine.has_unfinished_requests():
-            while pending and a.requests - len(pending) - len(last) < a.concurrency:  # a closed loop
-                i = pending.pop(0)
-                constrained = mode == "json" or (mode == "half" and i % 2 == 0)
-                params = SamplingParams(temperature=1.0, seed=seed + i, max_tokens=a.output, ignore_eos=True,
-                                        structured_outputs=constraint if constrained else None)
-                prompt = [rng.randrange(len(SPECIALS), vocab) for _ in range(a.prompt)]
-                engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-            for out in engine.step():
-                now = time.perf_counter() - t0
-                n = len(out.outputs[0].token_ids)
-                if n:
-                    first.setdefault(out.request_id, now)
-                counts[out.request_id] = n
-                if out.finished:
-                    last[out.request_id] = now
-        wall = time.perf_counter() - t0
-    finally:
-        for obj, name, real in saved:
-            setattr(obj, name, real)
-    tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in last if counts[r] > 1]
-    mean_ms = {key: statistics.mean(v) * 1e3 if v else 0.0 for key, v in host.items()}
-    # a step() call's length, for steps that decoded a full batch: the step's period once the GPU sets the pace
-    decode = [t for t, f in zip(host["step"], full) if f]
-    return dict(tokens=sum(counts.values()), wall=wall, tok_s=sum(counts.values()) / wall,
-                tpot_ms=statistics.median(tpot) * 1e3, fill_ms=mean_ms["fill"], sample_ms=mean_ms["sample"],
-                step_ms=mean_ms["step"], steps=len(host["step"]),
-                decode_ms=statistics.median(decode) * 1e3 if decode else 0.0, decode_steps=len(decode))
+    return run_closed_loop(engine, make, a.requests, a.concurrency,
+                           {"fill": (engine.grammars, "token_masks"), "sample": (engine.sampler, "sample")})
 
 
 def main() -> None:
