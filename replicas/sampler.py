@@ -24,6 +24,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from replicas.grammar import apply_token_masks
@@ -75,6 +76,12 @@ def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+# Rows with top_k up to this many draw among their top-k candidates (torch.topk) instead of sorting the whole
+# vocabulary for top-k / top-p: a sort of 32 x 128 K logits took about 1 ms of a decode step (H100,
+# bench/sampling_settings.py, RESULTS.md twenty-seventh session).
+TOP_K_CANDIDATES = 1024
+
+
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return _on(values, like.dtype, like.device).unsqueeze(1)
 
@@ -114,9 +121,12 @@ class Sampler:
         token_ids = greedy_ids
         if random_rows:
             token_ids = greedy_ids.clone()
-            rows = _on(random_rows, torch.long, logits.device)
-            sub = [params[i] for i in random_rows]
-            token_ids[rows] = self._sample_random(logits[rows], [seqs[i] for i in random_rows], sub)
+            few = [i for i in random_rows if 0 < params[i].top_k <= TOP_K_CANDIDATES]
+            rest = [i for i in random_rows if not 0 < params[i].top_k <= TOP_K_CANDIDATES]
+            for group, draw in ((few, self._draw_top_k), (rest, self._draw_vocab)):
+                if group:
+                    rows = _on(group, torch.long, logits.device)
+                    token_ids[rows] = draw(logits[rows], [seqs[i] for i in group], [params[i] for i in group])
 
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplerOutput(token_ids, n, self._logprobs(raw, token_ids, want, params, n) if want else None)
@@ -127,18 +137,20 @@ class Sampler:
         n, vocab = logits.shape
         device = logits.device
 
-        def counts(token_lists: list[list[int]]) -> torch.Tensor:
-            # Padding goes to an extra column that is dropped afterwards.
-            width = max(1, max((len(t) for t in token_lists), default=0))
-            ids = _on([list(t) + [vocab] * (width - len(t)) for t in token_lists], torch.long, device)
-            c = torch.zeros((n, vocab + 1), dtype=logits.dtype, device=device)
-            c.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
-            return c[:, :vocab]
-
-        out_counts = counts([list(s.output_token_ids) for s in seqs])
+        # The outputs' ids, padded with an extra column that is dropped afterwards, through numpy: a nested list
+        # through torch.tensor costs about 60 ns an id, every step.
+        width = max(1, max(s.num_output_tokens for s in seqs))
+        ids = np.full((n, width), vocab, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            if s.output_token_ids:
+                ids[i, : s.num_output_tokens] = s.output_token_ids
+        ids_dev = torch.from_numpy(ids)
+        ids_dev = ids_dev.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids_dev
+        out_counts = torch.zeros((n, vocab + 1), dtype=logits.dtype, device=device)
+        out_counts = out_counts.scatter_add_(1, ids_dev, torch.ones_like(ids_dev, dtype=logits.dtype))[:, :vocab]
         rep = _column([p.repetition_penalty for p in params], logits)
         if any(p.repetition_penalty != 1 for p in params):
-            seen = (counts([list(s.prompt_token_ids) for s in seqs]) > 0) | (out_counts > 0)
+            seen = torch.stack([s.prompt_mask(vocab, device) for s in seqs]) | (out_counts > 0)
             scaled = torch.where(logits > 0, logits / rep, logits * rep)
             logits = torch.where(seen, scaled, logits)
         freq = _column([p.frequency_penalty for p in params], logits)
@@ -190,7 +202,28 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+    def _draw_top_k(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        """Rows with top_k <= TOP_K_CANDIDATES draw among their top k only (torch.topk, not a sort of the whole
+        vocabulary); min_p and top_p then mask those candidates, as _draw_vocab masks the vocabulary."""
+        logits = logits / _column([p.temperature for p in params], logits)
+        top_k = [p.top_k for p in params]
+        values, ids = logits.topk(max(top_k), dim=-1)  # most likely first
+        drop = torch.arange(values.shape[1], device=values.device).unsqueeze(0) >= _on(top_k, torch.long,
+                                                                                       values.device).unsqueeze(1)
+        if any(p.min_p > 0 for p in params):  # p < min_p * p_max, on logits: l < l_max + ln(min_p)
+            floor = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], values)
+            drop = drop | (values < values[:, :1] + floor)
+        values = values.masked_fill(drop, -math.inf)
+        if any(p.top_p < 1 for p in params):
+            probs = values.softmax(dim=-1)
+            beyond = (probs.cumsum(dim=-1) - probs) >= _column([p.top_p for p in params], probs)
+            beyond[:, 0].fill_(False)  # the most likely token always survives
+            values = values.masked_fill(beyond, -math.inf)
+        choice = _gumbel_argmax(values.softmax(dim=-1), seqs, top_k)
+        return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+    @staticmethod
+    def _draw_vocab(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         logits = logits / _column([p.temperature for p in params], logits)
 
         if any(p.min_p > 0 for p in params):
@@ -204,20 +237,7 @@ class Sampler:
         if any(top_k) or any(p < 1 for p in top_p):
             logits = _apply_top_k_top_p(logits, top_k, top_p)
 
-        probs = logits.softmax(dim=-1)
-        # Gumbel-style draw: argmax(p / q) with q ~ Exp(1) samples from p.
-        q = torch.empty_like(probs)
-        unseeded = []
-        for i, seq in enumerate(seqs):
-            gen = seq.generator(probs.device)
-            if gen is None:
-                unseeded.append(i)
-            else:
-                q[i].exponential_(generator=gen)
-        if unseeded:
-            idx = _on(unseeded, torch.long, probs.device)
-            q[idx] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
-        return (probs / q).argmax(dim=-1)
+        return _gumbel_argmax(logits.softmax(dim=-1), seqs, [logits.shape[1]] * len(seqs))
 
     @staticmethod
     def _logprobs(
@@ -231,16 +251,41 @@ class Sampler:
         ranks = (lp > chosen_lp).sum(dim=-1) + 1
         top_lp, top_ids = lp.topk(max(params[i].logprobs for i in rows), dim=-1)
         kks = [params[i].logprobs for i in rows]
+        # Copied to pinned host memory now, behind the sampling: `.tolist()` on the device tensors later would
+        # wait for everything queued by then, the next step's forward pass among them.
+        parts = [t.to("cpu", non_blocking=True) for t in (top_lp, top_ids, chosen, chosen_lp.squeeze(1), ranks)]
+        copied = None
+        if raw.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
 
         def read() -> list[SampleLogprobs | None]:
-            tl, ti = top_lp.tolist(), top_ids.tolist()
-            ch, chl, rk = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
+            if copied is not None:
+                copied.synchronize()
+            tl, ti, ch, chl, rk = (t.tolist() for t in parts)
             out: list[SampleLogprobs | None] = [None] * n
             for j, (i, kk) in enumerate(zip(rows, kks)):
                 out[i] = SampleLogprobs(ch[j], chl[j], rk[j], ti[j][:kk], tl[j][:kk])
             return out
 
         return read
+
+
+def _gumbel_argmax(probs: torch.Tensor, seqs: Seq[Sequence], widths: list[int]) -> torch.Tensor:
+    """A draw from each row of probs: argmax(p / q) with q ~ Exp(1). A seeded row's noise covers its own first
+    widths[i] columns (the rest are zeros of p), so its draws do not depend on the rows beside it."""
+    q = torch.ones_like(probs)
+    unseeded = []
+    for i, (seq, width) in enumerate(zip(seqs, widths)):
+        gen = seq.generator(probs.device)
+        if gen is None:
+            unseeded.append(i)
+        else:
+            q[i, :width].exponential_(generator=gen)
+    if unseeded:
+        idx = _on(unseeded, torch.long, probs.device)
+        q[idx] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+    return (probs / q).argmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -87,6 +87,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._prompt_masks: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     # -- tokens -----------------------------------------------------------
     @property
@@ -147,6 +148,18 @@ class Sequence:
         self.num_preemptions += 1
 
     # -- randomness -------------------------------------------------------
+    def prompt_mask(self, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[vocab] bool on ``device``: the tokens the prompt holds. Built once (repetition_penalty reads it at
+        every step, and a prompt of thousands of ids would otherwise travel to the device each time)."""
+        device = torch.device(device)
+        mask = self._prompt_masks.get((device, vocab))
+        if mask is None:
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[torch.tensor([t for t in set(self.prompt_token_ids) if 0 <= t < vocab], dtype=torch.long)] = True
+            mask = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
+            self._prompt_masks[(device, vocab)] = mask
+        return mask
+
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The request's own generator on ``device`` (None when no seed was given)."""
         seed = self.sampling_params.seed

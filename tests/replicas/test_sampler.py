@@ -250,3 +250,50 @@ def test_bad_words_ban_a_words_last_token_after_the_rest_of_it(device):
     # 8 is banned everywhere (a one-token word); 6 only where the output ends with 1, 2 (row 2); row 1 ends
     # with 2 alone, row 0 with nothing, so there 6 stays
     assert ids[0] == 6 and ids[1] == 6 and ids[2] not in (8, 6)
+
+
+@ON_DEVICES
+def test_top_k_candidates_draw_from_the_same_distribution_as_the_vocabulary(device, monkeypatch):
+    """Rows with a small top_k draw among torch.topk's candidates, the others over the sorted vocabulary: with
+    min_p and top_p on top, both follow the same distribution (the masked, renormalised softmax)."""
+    from replicas import sampler as sampler_module
+
+    gen = torch.Generator().manual_seed(11)
+    row = torch.randn(40, generator=gen) * 2
+    n = 6000
+    logits = row.expand(n, -1).contiguous().to(device)
+    settings = dict(temperature=0.9, top_k=6, top_p=0.85, min_p=0.04)
+    # the reference: the filters by their definitions, on the row alone
+    scaled = row / 0.9
+    probs = scaled.softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros(40, dtype=torch.bool)
+    keep[order[:6]] = True
+    keep &= probs >= 0.04 * probs.max()
+    kept = torch.where(keep, probs, torch.zeros(())) / torch.where(keep, probs, torch.zeros(())).sum()
+    before = kept[order].cumsum(0) - kept[order]
+    final = torch.zeros(40)
+    final[order] = torch.where(before < 0.85, kept[order], torch.zeros(()))
+    final /= final.sum()
+    for candidates in (1024, 0):  # 0: every row takes the sorted-vocabulary path
+        monkeypatch.setattr(sampler_module, "TOP_K_CANDIDATES", candidates)
+        params = [SamplingParams(seed=i, **settings) for i in range(n)]
+        tokens = Sampler().sample(logits, seqs_for(params)).token_ids.cpu()
+        freq = torch.bincount(tokens, minlength=40).float() / n
+        assert torch.allclose(freq, final, atol=0.02), (candidates, freq, final)
+        assert set(tokens.tolist()) == set(final.nonzero().flatten().tolist())
+
+
+def test_a_seeded_top_k_row_draws_the_same_beside_any_rows():
+    """A seeded row's draws use noise over its own top_k columns only: neighbours with a larger top_k, or none
+    (the vocabulary path), change nothing."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(4))
+    me = SamplingParams(seed=5, temperature=1.5, top_k=20)
+    draws = []
+    for neighbour in (None, SamplingParams(seed=1, top_k=200), SamplingParams(seed=1), SamplingParams(seed=1, top_k=3)):
+        params = [me] if neighbour is None else [neighbour, me]
+        rows = logits[:1] if neighbour is None else logits[:2].flip(0)  # `me` always on the same logits row
+        seqs = seqs_for(params)
+        picks = [Sampler().sample(rows, seqs).token_ids[-1].item() for _ in range(12)]
+        draws.append(picks)
+    assert all(d == draws[0] for d in draws) and len(set(draws[0])) > 1
