@@ -200,7 +200,7 @@ class LLMEngine:
             self._add_sequence(cid, child, text, ids, lora_request, grammar, leader)
 
     def _add_sequence(self, request_id: str, params: SamplingParams, text: str | None, ids: list[int],
-                      lora_request: LoRARequest | None, grammar: object = None,
+                      lora_request: LoRARequest | None, grammar: object = None,  # compiled (grammar.py)
                       prefix_leader: Sequence | None = None) -> Sequence:
         loading = False
         if lora_request is not None:

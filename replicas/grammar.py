@@ -5,9 +5,9 @@ StructuredOutputsParams against the tokenizer's vocabulary once. A matcher then
 follows one sequence's tokens and fills, for its next step, a bitmask of the
 tokens that keep the output inside the grammar (one bit a token, 32 to an
 int32), in microseconds on the host, the step's rows in one call (xgrammar's
-BatchGrammarMatcher). The engine fills a step's masks
-after launching the step, so with async scheduling the GPU computes while the
-host fills; the sampler applies them out of place (apply_token_masks).
+BatchGrammarMatcher). The engine fills a step's masks after launching the
+step, so with async scheduling the GPU computes while the host fills; the
+sampler applies them out of place (apply_token_masks).
 
 xgrammar is imported on the first request that asks for structured outputs: a
 replica that never sees one never pays for the import or for the scan of the
@@ -65,7 +65,7 @@ class GrammarBackend:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: Any = None
-        self._batch: Any = None  # fills several matchers' masks on a thread pool
+        self._batch: Any = None  # fills a step's masks in one call (FILL_THREADS)
         self._lock = threading.Lock()  # add_request may come from several threads (LLM, the async engine)
 
     def _xgrammar_compiler(self) -> Any:
@@ -112,7 +112,6 @@ class GrammarBackend:
         import xgrammar
 
         return SequenceGrammar(xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(set(stop_token_ids))))
-
 
     def advance(self, steps: list[tuple[SequenceGrammar, int]]) -> list[bool]:
         """Each grammar takes its sequence's sampled token, all in one call; True where that ends the sequence

@@ -1,13 +1,17 @@
 """Sampler: logits -> next tokens, batched over requests with different settings.
 
-Order of operations (as in vLLM): penalties, min_tokens (EOS and the stop
-token ids masked until that many tokens were generated) and logit_bias, the
-structured-output masks (replicas/grammar.py), then greedy argmax for temperature-0 rows; for the others temperature, min_p,
-top_k, top_p and a draw. Logprobs are taken from the raw model logits (log_softmax before any
-penalty or temperature), as vLLM returns them by default.
+Order of operations (as in vLLM): penalties; min_tokens (EOS and the stop
+token ids masked until that many tokens were generated), bad_words, logit_bias
+and allowed_token_ids; the structured-output masks (replicas/grammar.py); then
+greedy argmax for temperature-0 rows, and for the others temperature, min_p,
+top_k, top_p and a draw (among torch.topk's candidates where top_k is small,
+else over the sorted vocabulary). Logprobs are taken from the raw model logits
+(log_softmax before any penalty or temperature), as vLLM returns them by
+default.
 
-A seeded request draws from its own torch.Generator, one row of noise per
-step, so its tokens do not depend on which other requests share the batch.
+A seeded request draws from its own torch.Generator, noise over its own
+candidates at every step, so its tokens do not depend on which other requests
+share the batch.
 
 Nothing here waits for the GPU: with async scheduling the sampler's kernels
 are queued behind a step that is still running, and the host must go on to
@@ -208,8 +212,8 @@ class Sampler:
         logits = logits / _column([p.temperature for p in params], logits)
         top_k = [p.top_k for p in params]
         values, ids = logits.topk(max(top_k), dim=-1)  # most likely first
-        drop = torch.arange(values.shape[1], device=values.device).unsqueeze(0) >= _on(top_k, torch.long,
-                                                                                       values.device).unsqueeze(1)
+        positions = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+        drop = positions >= _on(top_k, torch.long, values.device).unsqueeze(1)
         if any(p.min_p > 0 for p in params):  # p < min_p * p_max, on logits: l < l_max + ln(min_p)
             floor = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], values)
             drop = drop | (values < values[:, :1] + floor)
