@@ -24,7 +24,6 @@ what the step costs the GPU, so there is little to overlap.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
@@ -38,34 +37,16 @@ from replicas.errors import EngineError, InvalidRequestError
 from replicas.executor import make_executor
 from replicas.grammar import GrammarBackend, SequenceGrammar
 from replicas.model_runner import RunnerConfig
-from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.outputs import RequestOutput
 from replicas.parallel_sampling import FanOut, child_id, child_params
 from replicas.request_inputs import bad_words_ids, check_token_ids, checked_settings, prompt_ids, truncated
+from replicas.request_state import RequestState
 from replicas.sampled_step import SampledStep, step_input
 from replicas.sampler import Sampler
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from replicas.sequence import PENDING_TOKEN, Sequence
 from replicas.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    prompt: str | None
-    detok: IncrementalDetokenizer
-    lora_name: str | None
-    logprobs: list[dict[int, float]] | None = field(default=None)
-    # The prompt's ids as every output reports them: copied once, not per step (a long prompt's copy,
-    # for every running request at every step, adds up to milliseconds of host time).
-    prompt_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prefill goes (prompt_logprobs.py)
-    grammar: SequenceGrammar | None = None  # SamplingParams.structured_outputs (replicas/grammar.py)
-
-    def __post_init__(self) -> None:
-        self.prompt_token_ids = list(self.seq.prompt_token_ids)
-        if self.seq.sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]
 
 
 class LLMEngine:
@@ -104,7 +85,7 @@ class LLMEngine:
         self.grammars = GrammarBackend(self.tokenizer, mc.vocab_size)
         self._eos = tuple(mc.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                                is not None else ())
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._fanout = FanOut()  # requests with n > 1 and their child sequences
         self.adapters = EngineAdapters(self.executor, self.scheduler, self.lora_config)
         # Adapters named by requests load in the background while other requests run; their
@@ -170,9 +151,7 @@ class LLMEngine:
         return failed
 
     def _failed(self, seq: Sequence, error: Exception) -> RequestOutput:
-        state = self._requests.pop(seq.request_id)
-        return RequestOutput(seq.request_id, state.prompt, list(seq.prompt_token_ids),
-                             [CompletionOutput(0, "", [], None, "error")], True, state.lora_name, error)
+        return self._requests.pop(seq.request_id).failed(error)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -219,7 +198,7 @@ class LLMEngine:
                                        skip_special_tokens=params.skip_special_tokens,
                                        include_stop_str_in_output=params.include_stop_str_in_output,
                                        min_tokens=params.min_tokens)
-        self._requests[request_id] = _Request(seq, text, detok, lora_request.lora_name if lora_request else None,
+        self._requests[request_id] = RequestState(seq, text, detok, lora_request.lora_name if lora_request else None,
                                               [] if params.logprobs is not None else None)
         if grammar is not None:
             self._requests[request_id].grammar = self.grammars.matcher(grammar, {*self._eos, *params.stop_token_ids})
@@ -359,7 +338,7 @@ class LLMEngine:
             state = self._requests.get(request_id)
             if seq.is_finished and (state is None or state.seq is not seq):
                 touched.pop(request_id)
-        results = [self._output(seq) for seq in touched.values()]
+        results = [self._requests[seq.request_id].output() for seq in touched.values()]
         for seq in touched.values():
             if seq.is_finished:
                 self._requests.pop(seq.request_id, None)
@@ -381,18 +360,6 @@ class LLMEngine:
     def _prompt_logprobs_of(self, seq: Sequence) -> list | None:
         state = self._requests.get(seq.request_id)
         return state.prompt_logprobs if state is not None and state.seq is seq else None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        state = self._requests[seq.request_id]
-        text = state.detok.text
-        if seq.is_finished and not state.detok.stopped:
-            state.detok.finish()
-            text = state.detok.text
-        logprobs = list(state.logprobs) if state.logprobs is not None else None
-        completion = CompletionOutput(0, text, list(seq.output_token_ids), logprobs,
-                                      seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.request_id, state.prompt, state.prompt_token_ids, [completion],
-                             seq.is_finished, state.lora_name, prompt_logprobs=state.prompt_logprobs)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,0 +1,50 @@
+"""RequestState: what the engine keeps of one sequence besides the Sequence itself, and its RequestOutput.
+
+The scheduler's Sequence holds tokens and status; this holds what only the outputs need (the prompt's text,
+the detokenizer, the logprobs so far, the grammar that constrains the sequence) and builds the cumulative
+RequestOutput the engine reports after each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replicas.grammar import SequenceGrammar
+from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.sequence import Sequence
+from replicas.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    lora_name: str | None
+    logprobs: list[dict[int, float]] | None = field(default=None)
+    # The prompt's ids as every output reports them: copied once, not per step (a long prompt's copy,
+    # for every running request at every step, adds up to milliseconds of host time).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prefill goes (prompt_logprobs.py)
+    grammar: SequenceGrammar | None = None  # SamplingParams.structured_outputs (replicas/grammar.py)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.seq.prompt_token_ids)
+        if self.seq.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    def output(self) -> RequestOutput:
+        """The request's output so far (finished once its sequence is)."""
+        seq = self.seq
+        if seq.is_finished and not self.detok.stopped:
+            self.detok.finish()
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        completion = CompletionOutput(0, self.detok.text, list(seq.output_token_ids), logprobs,
+                                      seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, self.prompt, self.prompt_token_ids, [completion],
+                             seq.is_finished, self.lora_name, prompt_logprobs=self.prompt_logprobs)
+
+    def failed(self, error: Exception) -> RequestOutput:
+        """The request's only output, when it cannot run at all (its adapter failed to load)."""
+        return RequestOutput(self.seq.request_id, self.prompt, list(self.seq.prompt_token_ids),
+                             [CompletionOutput(0, "", [], None, "error")], True, self.lora_name, error)
