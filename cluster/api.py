@@ -136,7 +136,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
         sampling = body.sampling(backend.default_max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:  # the prompt's tokens come back with their logprobs too
             sampling["prompt_logprobs"] = body.logprobs
-        reqs = [GenerateRequest(body.model, sampling, prompt=prompt) for prompt in prompts]
+        reqs = [GenerateRequest(body.model, sampling, prompt=prompt, priority=body.priority) for prompt in prompts]
         if len(reqs) > 1:
             return await _respond_many(reqs, body, _CompletionFormat(body, backend))
         return await _respond(reqs[0], body, _CompletionFormat(body, backend))
@@ -148,7 +148,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
         if body.max_completion_tokens is not None:
             sampling["max_tokens"] = body.max_completion_tokens
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        req = GenerateRequest(body.model, sampling, messages=messages,
+        req = GenerateRequest(body.model, sampling, messages=messages, priority=body.priority,
                               add_generation_prompt=body.add_generation_prompt)
         return await _respond(req, body, _ChatFormat(body, backend))
 

@@ -214,13 +214,13 @@ class Ingress:
         return build_api(self.backend, self.api_keys, extra_metrics=self.catalog.metrics_text)
 
     async def generate(self, prompt: str | list[int] | None = None, adapter: str | None = None,
-                       messages: list[dict] | None = None, stream: bool = False, **sampling: Any):
+                       messages: list[dict] | None = None, stream: bool = False, priority: int = 0, **sampling: Any):
         """Python handle API: the final output as a dict, or (stream=True) an async iterator of them."""
         model = adapter or self.backend.model_name
         sampling.setdefault("max_tokens", self.backend.default_max_tokens)
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": prompt}
-        request = GenerateRequest(model, sampling, prompt=prompt, messages=messages)
+        request = GenerateRequest(model, sampling, prompt=prompt, messages=messages, priority=priority)
         outputs = self.backend.call_generate(request)
         if stream:
             return _relay(outputs)

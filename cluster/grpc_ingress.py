@@ -119,6 +119,8 @@ def request_from_proto(msg: pb.GenerateRequest, model_name: str, default_max_tok
 
     model = msg.adapter or model_name
     extra = {"request_id": msg.request_id} if msg.request_id else {}
+    if msg.HasField("priority"):
+        extra["priority"] = msg.priority
     if msg.messages:
         messages = [{"role": m.role, "content": m.content} for m in msg.messages]
         return GenerateRequest(model, sampling, messages=messages, **extra)

@@ -60,6 +60,7 @@ class _Sampling(_Body):
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # vLLM's: lower first, where the server's scheduling_policy is "priority"
     response_format: ResponseFormat | None = None  # OpenAI's; the next five are vLLM's (replicas/structured_outputs.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

@@ -64,6 +64,7 @@ class GenerateRequest:
     messages: list[dict[str, str]] | None = None
     add_generation_prompt: bool = True
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    priority: int = 0  # lower first, where the engine's scheduling_policy is "priority"
 
 
 class LoRAServer:
@@ -182,7 +183,8 @@ class LoRAServer:
             prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}  # the template adds BOS
         self._inflight += 1
         try:
-            async for output in self.engine.generate(prompt, request.sampling, request.request_id, lora):
+            async for output in self.engine.generate(prompt, request.sampling, request.request_id, lora,
+                                                     priority=request.priority):
                 yield output
         finally:
             self._inflight -= 1

@@ -92,7 +92,8 @@ class AsyncLLMEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     async def generate(self, prompt: str | dict, sampling_params: SamplingParams | Mapping | None,
-                       request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs of one request as tokens arrive; the last has finished=True.
 
         sampling_params may be a mapping of SamplingParams fields (as a server receives them).
@@ -117,7 +118,7 @@ class AsyncLLMEngine:
         done = False
         try:
             await asyncio.wrap_future(
-                self._submit(self._add_request, stream, prompt, sampling_params, lora_request))
+                self._submit(self._add_request, stream, prompt, sampling_params, lora_request, priority))
             while True:
                 item = await stream.queue.get()
                 # outputs are cumulative, so a slow consumer may skip to the newest
@@ -242,10 +243,10 @@ class AsyncLLMEngine:
             command.future.set_result(result)
 
     def _add_request(self, stream: _Stream, prompt: str | dict, params: SamplingParams | None,
-                     lora_request: LoRARequest | None) -> None:
+                     lora_request: LoRARequest | None, priority: int) -> None:
         if stream.request_id in self._streams:
             raise InvalidRequestError([("request_id", f"request_id {stream.request_id!r} is already in use")])
-        self.engine.add_request(stream.request_id, prompt, params, lora_request)
+        self.engine.add_request(stream.request_id, prompt, params, lora_request, priority)
         self._streams[stream.request_id] = stream
 
     def _abort(self, request_id: str) -> bool:

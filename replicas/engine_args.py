@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lora_core.config import LoRAConfig
+from replicas.scheduler import POLICIES
 
 
 CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")
@@ -29,6 +30,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # "fcfs": requests in arrival order; "priority": by each request's priority (lower first), then arrival, and
+    # preemption takes the least urgent running one (replicas/scheduler.py), as vLLM's scheduling_policy.
+    scheduling_policy: str = "fcfs"
     load_format: str = "auto"  # "dummy": random weights (benchmarks)
     distributed_executor_backend: str | None = None  # "mp" (default) or "module:Class", e.g. the Ray executor
     enforce_eager: bool = False  # GPU: no CUDA graphs at all (slower; for debugging)
@@ -82,6 +86,8 @@ class EngineArgs:
     lora_pending_min_adapters: int = 5
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
         if self.lora_load_processes is not None and self.lora_load_processes < 0:

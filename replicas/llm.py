@@ -25,7 +25,8 @@ class LLM:
 
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt that cannot be served (bad parameter, too long, unknown or
@@ -35,12 +36,13 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         loras = _per_prompt(lora_request, len(prompts), LoRARequest, "lora_request")
+        priorities = _per_prompt(priority, len(prompts), int, "priority")
         order, results = [], {}
-        for prompt, param, lora in zip(prompts, params, loras):
+        for prompt, param, lora, prio in zip(prompts, params, loras, priorities):
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
-                self.engine.add_request(request_id, prompt, param or SamplingParams(), lora)
+                self.engine.add_request(request_id, prompt, param or SamplingParams(), lora, prio or 0)
             except (EngineError, ValueError) as exc:
                 results[request_id] = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
                                                     [CompletionOutput(0, "", [], None, "error")], True,

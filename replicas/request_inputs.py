@@ -60,6 +60,17 @@ def bad_words_ids(tokenizer: Tokenizer, params: SamplingParams) -> tuple[tuple[i
     return tuple(seqs)
 
 
+def checked_priority(priority: object, policy: str) -> int:
+    """A request's priority (lower is served first), which only the "priority" scheduling policy reads: under
+    "fcfs" anything but 0 is refused rather than ignored, as in vLLM."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequestError([("priority", f"priority must be an integer, got {priority!r}")])
+    if priority and policy != "priority":
+        raise InvalidRequestError([("priority", f"priority {priority} needs the engine's scheduling_policy "
+                                                f"'priority' (this one's is {policy!r})")])
+    return priority
+
+
 def truncated(ids: list[int], params: SamplingParams) -> list[int]:
     """The prompt's last truncate_prompt_tokens ids (vLLM's: keep the end, where the question usually is)."""
     k = params.truncate_prompt_tokens

@@ -11,6 +11,12 @@ When the KV cache runs out, the most recently arrived running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of
 the queue, its outputs kept.
 
+With policy "priority" (vLLM's scheduling_policy), every order above is by
+(priority, arrival) instead of arrival alone, a lower priority value first:
+the waiting queue is kept in that order (a preempted sequence goes back to
+its place in it), and the sequence preempted is the running one that comes
+last, the least urgent. Waiting requests never preempt running ones.
+
 A sequence with a prefix_leader (a sibling of a parallel-sampling request) is
 skipped the same way until its leader has computed the shared prompt: admitted
 then, it finds the prompt's full blocks in the prefix cache, so n completions
@@ -30,14 +36,20 @@ from replicas.errors import InvalidRequestError
 from replicas.sequence import Sequence, SequenceStatus
 
 
+POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_loras: int = 4
     max_model_len: int | None = None  # prompt + output tokens a sequence may reach
+    policy: str = "fcfs"  # or "priority": Sequence.priority first (module docstring)
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_loras", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < low:
@@ -106,7 +118,7 @@ class Scheduler:
         self.adapter_ready = adapter_ready or (lambda _lora_id: True)
         self.pinned: set[int] = set()  # adapters holding a GPU slot for good (engine.pin_lora)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # kept in arrival order
+        self.running: list[Sequence] = []  # kept in arrival order (by priority first under policy "priority")
         self.requests: dict[str, Sequence] = {}
         self._finished_since_step: list[Sequence] = []
         self._order: dict[str, int] = {}
@@ -136,10 +148,14 @@ class Scheduler:
         self._order[seq.request_id] = self._counter
         self._counter += 1
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, seq, key=self._order_key)
+        else:
+            self.waiting.append(seq)
 
-    def _arrival_key(self, seq: Sequence) -> tuple[float, int]:
-        return (seq.arrival_time, self._order[seq.request_id])
+    def _order_key(self, seq: Sequence) -> tuple[int, float, int]:
+        priority = seq.priority if self.config.policy == "priority" else 0
+        return (priority, seq.arrival_time, self._order[seq.request_id])
 
     # -- queries ----------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -228,7 +244,7 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=self._arrival_key)
+            bisect.insort(self.running, seq, key=self._order_key)
             if lid:
                 loras.add(lid)
             n = min(seq.num_uncomputed_tokens, budget)
@@ -250,7 +266,10 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        if self.config.policy == "priority":  # back to its place: a more urgent request may be waiting
+            bisect.insort(self.waiting, seq, key=self._order_key)
+        else:
+            self.waiting.appendleft(seq)
 
     # -- after the model step ---------------------------------------------
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:

@@ -62,6 +62,7 @@ class Sequence:
         arrival_time: float | None = None,
         eos_token_ids: int | Iterable[int] | None = None,
         bad_words_ids: tuple[tuple[int, ...], ...] = (),
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -75,6 +76,7 @@ class Sequence:
             eos_token_ids = (eos_token_ids,)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.bad_words_ids = bad_words_ids  # SamplingParams.bad_words as token sequences (request_inputs.py)
+        self.priority = priority  # lower first, under the scheduler's "priority" policy
 
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0

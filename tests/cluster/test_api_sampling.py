@@ -254,3 +254,21 @@ def test_bad_words_special_tokens_and_stop_strings_in_the_text(stack):
     assert f" {word}" in plain.choices[0].text and f" {word}" not in banned.choices[0].text
     assert kept.choices[0].text == cut.choices[0].text + stop and kept.choices[0].finish_reason == "stop"
     assert hidden.choices[0].text == "" and shown.choices[0].text == "</s></s>"
+
+
+def test_priority_reaches_the_engine(stack):
+    """vLLM's priority field: this server schedules first come, first served, so a priority other than 0 is a 400
+    naming it (the policy itself: tests/replicas/test_priority_scheduling.py), and 0 is served."""
+    kw = dict(model="demo-sql", prompt="The quick brown fox", max_tokens=2, temperature=0)
+
+    async def go(c):
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.completions.create(**kw, extra_body={"priority": 3})
+        with pytest.raises(openai.BadRequestError) as chat_err:
+            await c.chat.completions.create(model="demo-sql", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=2, extra_body={"priority": -1})
+        return err.value.body, chat_err.value.body, await c.completions.create(**kw, extra_body={"priority": 0})
+
+    refused, chat_refused, served = run(stack, go)
+    assert refused["param"] == "priority" and "scheduling_policy" in refused["message"]
+    assert chat_refused["param"] == "priority" and served.choices[0].finish_reason == "length"

@@ -197,6 +197,8 @@ def test_request_from_proto():
     msg = pb.GenerateRequest(prompt="hi", allowed_token_ids=[4, 9], truncate_prompt_tokens=3)
     req = request_from_proto(msg, "b", 16)
     assert req.sampling == {"max_tokens": 16, "allowed_token_ids": [4, 9], "truncate_prompt_tokens": 3}
+    assert request_from_proto(pb.GenerateRequest(prompt="hi", priority=-2), "b", 16).priority == -2
+    assert request_from_proto(pb.GenerateRequest(prompt="hi"), "b", 16).priority == 0
     so = pb.StructuredOutputs(json='{"type": "object"}', disable_any_whitespace=True)
     req = request_from_proto(pb.GenerateRequest(prompt="hi", structured_outputs=so), "b", 16)
     assert req.sampling == {"max_tokens": 16, "structured_outputs": {"json": '{"type": "object"}',

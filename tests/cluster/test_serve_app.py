@@ -118,8 +118,10 @@ def test_errors_and_python_handle(serve_app):
 
     handle = serve.get_app_handle(APP)
     result = handle.generate.remote(prompt="The quick brown fox", adapter="demo-sql", max_tokens=4,
-                                    temperature=0).result(timeout_s=120)
+                                    temperature=0, priority=0).result(timeout_s=120)
     assert result["finished"] and len(result["outputs"][0]["token_ids"]) == 4
+    with pytest.raises(Exception, match="scheduling_policy"):  # priority travels apart from the sampling fields
+        handle.generate.remote(prompt="hi", max_tokens=2, priority=2).result(timeout_s=120)
     chunks = list(handle.options(stream=True).generate.remote(prompt="The quick brown fox", adapter="demo-sql",
                                                               max_tokens=4, temperature=0, stream=True))
     assert chunks[-1]["outputs"][0]["text"] == result["outputs"][0]["text"]
