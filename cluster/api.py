@@ -12,7 +12,6 @@ import contextlib
 import json
 import secrets
 import time
-import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
@@ -26,11 +25,13 @@ from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapte
                             SourceUnavailableError, remote_cause)
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                               UnloadLoRAAdapterRequest)
+from cluster.response_formats import ChatFormat, CompletionFormat, Format
 from cluster.server import GenerateRequest
 from cluster.token_routes import add_token_routes
+from cluster.tool_calls import template_messages, tool_plan
 from lora_core.errors import InvalidAdapterError, LoRAConfigError, UnknownLoRAError
 from replicas.errors import EngineDeadError, InvalidRequestError
-from replicas.outputs import CompletionDeltas, CompletionOutput, RequestOutput
+from replicas.outputs import CompletionDeltas, RequestOutput
 
 # (exception types, HTTP status, OpenAI error type); first match wins.
 ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
@@ -138,8 +139,8 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
             sampling["prompt_logprobs"] = body.logprobs
         reqs = [GenerateRequest(body.model, sampling, prompt=prompt, priority=body.priority) for prompt in prompts]
         if len(reqs) > 1:
-            return await _respond_many(reqs, body, _CompletionFormat(body, backend))
-        return await _respond(reqs[0], body, _CompletionFormat(body, backend))
+            return await _respond_many(reqs, body, CompletionFormat(body, backend))
+        return await _respond(reqs[0], body, CompletionFormat(body, backend))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
@@ -147,12 +148,20 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
         sampling = body.sampling(backend.default_max_tokens, logprobs)
         if body.max_completion_tokens is not None:
             sampling["max_tokens"] = body.max_completion_tokens
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        req = GenerateRequest(body.model, sampling, messages=messages, priority=body.priority,
-                              add_generation_prompt=body.add_generation_prompt)
-        return await _respond(req, body, _ChatFormat(body, backend))
+        try:
+            plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+            if plan is not None and sampling["structured_outputs"] is not None:
+                raise InvalidRequestError([("tool_choice", "a forced tool call writes the output's shape: it "
+                                            "cannot be combined with response_format or structured_outputs")])
+        except InvalidRequestError as exc:
+            return error_response(exc)
+        if plan is not None:
+            sampling["structured_outputs"] = plan.constraint
+        req = GenerateRequest(body.model, sampling, messages=template_messages(body.messages), priority=body.priority,
+                              add_generation_prompt=body.add_generation_prompt, tools=body.tools)
+        return await _respond(req, body, ChatFormat(body, backend, plan))
 
-    async def _respond(req: GenerateRequest, body: Any, fmt: "_Format"):
+    async def _respond(req: GenerateRequest, body: Any, fmt: Format):
         start = time.monotonic()
         stream = backend.generate(req)
         try:
@@ -191,7 +200,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def _respond_many(reqs: list[GenerateRequest], body: Any, fmt: "_Format"):
+    async def _respond_many(reqs: list[GenerateRequest], body: Any, fmt: Format):
         """Several prompts side by side (cluster/prompt_batch.py); choice i * n + j: prompt i's completion j."""
         start, n = time.monotonic(), body.n
         try:
@@ -261,133 +270,3 @@ class _Timing:
         n = max(lengths, default=0)  # n > 1: the choices decode side by side, one token a step each
         if self.first is not None and n > 1:
             self.metrics.tpot.labels(self.model).observe((time.monotonic() - self.first) / (n - 1))
-
-
-class _Format:
-    object_full = ""
-    object_chunk = ""
-    prefix = ""
-
-    def __init__(self, body: Any, backend: Any) -> None:
-        self.body, self.backend = body, backend
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model, "choices": choices}
-
-    @staticmethod
-    def usage(*outs: RequestOutput) -> dict:
-        """Tokens of one request's outputs, or summed over several prompts'."""
-        p = sum(len(out.prompt_token_ids) for out in outs)
-        g = sum(len(choice.token_ids) for out in outs for choice in out.outputs)
-        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
-
-    def usage_chunk(self, *outs: RequestOutput) -> dict:
-        chunk = self._envelope(self.object_chunk, [])
-        chunk["usage"] = self.usage(*outs)
-        return chunk
-
-    def begin(self, first: RequestOutput, base: int = 0) -> None:
-        """A prompt's first output, before any of its chunks; its choices are numbered from base."""
-
-    def full(self, *outs: RequestOutput) -> dict:
-        """The whole response of one prompt's final output, or of several prompts' (choice i * n + j)."""
-        choices = []
-        for i, out in enumerate(outs):
-            base = i * self.body.n
-            self.begin(out, base)
-            choices += [self.choice(replace(c, index=base + c.index)) for c in out.outputs]
-        body = self._envelope(self.object_full, choices)
-        body["usage"] = self.usage(*outs)
-        return body
-
-
-class _CompletionFormat(_Format):
-    object_full = object_chunk = "text_completion"
-    prefix = "cmpl"
-
-    # echo: the prompt's text leads each choice's text (streamed: its first chunk), and with logprobs its tokens
-    # lead the logprobs, the first with none (nothing predicts it), as OpenAI's legacy API and vLLM give them:
-    # what scoring a text's likelihood (e.g. lm-evaluation-harness) reads.
-    def __init__(self, body: Any, backend: Any) -> None:
-        super().__init__(body, backend)
-        self._prompt_of: dict[int, RequestOutput] = {}  # choice index -> an output of its prompt (echo)
-        self._echoed: set[int] = set()  # choices whose first chunk went out
-
-    def begin(self, first: RequestOutput, base: int = 0) -> None:
-        if self.body.echo:
-            self._prompt_of.update({base + c.index: first for c in first.outputs})
-
-    def _echo_text(self, index: int) -> str:
-        prompt = self._prompt_of.get(index)
-        if prompt is None:
-            return ""
-        return prompt.prompt if prompt.prompt is not None else "".join(map(self.backend.decode_token,
-                                                                           prompt.prompt_token_ids))
-
-    def _logprobs(self, c: CompletionOutput) -> dict | None:
-        if c.logprobs is None:
-            return None
-        decode = self.backend.decode_token
-        ids, steps = list(c.token_ids), list(c.logprobs)
-        prompt = self._prompt_of.get(c.index)
-        if prompt is not None and prompt.prompt_logprobs is not None:
-            ids, steps = prompt.prompt_token_ids + ids, prompt.prompt_logprobs + steps
-        return {"tokens": [decode(t) for t in ids],
-                "token_logprobs": [None if lp is None else lp.get(t) for lp, t in zip(steps, ids)],
-                "top_logprobs": [None if lp is None else {decode(k): v for k, v in lp.items()} for lp in steps],
-                "text_offset": None}
-
-    def choice(self, c: CompletionOutput) -> dict:
-        return {"index": c.index, "text": self._echo_text(c.index) + c.text, "logprobs": self._logprobs(c),
-                "finish_reason": c.finish_reason}
-
-    def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
-        if c.index not in self._echoed:
-            self._echoed.add(c.index)
-            delta = self._echo_text(c.index) + delta
-        if not delta and not finished:
-            return None
-        return self._envelope(self.object_chunk, [{"index": c.index, "text": delta, "logprobs": None,
-                                                   "finish_reason": c.finish_reason if finished else None}])
-
-
-class _ChatFormat(_Format):
-    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
-    prefix = "chatcmpl"
-
-    def __init__(self, body: Any, backend: Any) -> None:
-        super().__init__(body, backend)
-        self._started: set[int] = set()  # choices whose role went out
-
-    def _logprobs(self, c: CompletionOutput) -> dict | None:
-        if c.logprobs is None:
-            return None
-        decode = self.backend.decode_token
-
-        def entry(token: int, logprob: float) -> dict:
-            text = decode(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        content = []
-        for token, step in zip(c.token_ids, c.logprobs):
-            top = sorted(step.items(), key=lambda kv: -kv[1])[: self.body.top_logprobs or 0]
-            content.append({**entry(token, step[token]), "top_logprobs": [entry(t, v) for t, v in top]})
-        return {"content": content}
-
-    def choice(self, c: CompletionOutput) -> dict:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": self._logprobs(c),
-                "finish_reason": c.finish_reason}
-
-    def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
-        message: dict[str, str] = {}
-        if c.index not in self._started:
-            message["role"] = "assistant"
-            self._started.add(c.index)
-        if delta:
-            message["content"] = delta
-        if not message and not finished:
-            return None
-        return self._envelope(self.object_chunk, [{"index": c.index, "delta": message, "logprobs": None,
-                                                   "finish_reason": c.finish_reason if finished else None}])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -25,11 +26,14 @@ def _raise(message: str) -> None:
     raise InvalidRequestError([("messages", message)])
 
 
-def render_chat(messages: list[dict[str, str]], template: str | None, bos_token: str | None = None,
-                eos_token: str | None = None, add_generation_prompt: bool = True) -> str:
-    """The prompt text for ``messages``; a template's own checks become InvalidRequestError (HTTP 400)."""
+def render_chat(messages: list[dict[str, Any]], template: str | None, bos_token: str | None = None,
+                eos_token: str | None = None, add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text for ``messages`` (and OpenAI's ``tools``, for templates that write them, as
+    transformers' apply_chat_template passes them); a template's own checks become InvalidRequestError (400)."""
     try:
         return _compile(template or _FALLBACK).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                       bos_token=bos_token or "", eos_token=eos_token or "")
+                                                       bos_token=bos_token or "", eos_token=eos_token or "",
+                                                       tools=tools)
     except jinja2.TemplateError as exc:
         raise InvalidRequestError([("messages", f"chat template failed: {exc}")]) from exc

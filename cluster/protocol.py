@@ -114,6 +114,9 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (cluster/tool_calls.py)
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
@@ -127,6 +130,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # OpenAI's functions; tool_choice decides (cluster/tool_calls.py)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 

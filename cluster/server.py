@@ -65,6 +65,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     priority: int = 0  # lower first, where the engine's scheduling_policy is "priority"
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, for the chat template
 
 
 class LoRAServer:
@@ -179,7 +180,7 @@ class LoRAServer:
         if request.messages is not None:
             tok = self.tokenizer
             text = render_chat(request.messages, tok.chat_template, tok.bos_token, tok.eos_token,
-                               request.add_generation_prompt)
+                               request.add_generation_prompt, tools=request.tools)
             prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}  # the template adds BOS
         self._inflight += 1
         try:

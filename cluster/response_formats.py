@@ -1,0 +1,158 @@
+"""OpenAI response bodies: a request's final output as one JSON body, or its deltas as SSE chunks.
+
+CompletionFormat writes /v1/completions' (text_completion: echo, legacy logprobs), ChatFormat
+/v1/chat/completions' (chat.completion and its chunks: the role first, top_logprobs). Both number choices
+i * n + j over several prompts (cluster/prompt_batch.py) and count usage.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from cluster.tool_calls import ToolPlan
+from replicas.outputs import CompletionOutput, RequestOutput
+
+
+class Format:
+    object_full = ""
+    object_chunk = ""
+    prefix = ""
+
+    def __init__(self, body: Any, backend: Any) -> None:
+        self.body, self.backend = body, backend
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model, "choices": choices}
+
+    @staticmethod
+    def usage(*outs: RequestOutput) -> dict:
+        """Tokens of one request's outputs, or summed over several prompts'."""
+        p = sum(len(out.prompt_token_ids) for out in outs)
+        g = sum(len(choice.token_ids) for out in outs for choice in out.outputs)
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+    def usage_chunk(self, *outs: RequestOutput) -> dict:
+        chunk = self._envelope(self.object_chunk, [])
+        chunk["usage"] = self.usage(*outs)
+        return chunk
+
+    def begin(self, first: RequestOutput, base: int = 0) -> None:
+        """A prompt's first output, before any of its chunks; its choices are numbered from base."""
+
+    def full(self, *outs: RequestOutput) -> dict:
+        """The whole response of one prompt's final output, or of several prompts' (choice i * n + j)."""
+        choices = []
+        for i, out in enumerate(outs):
+            base = i * self.body.n
+            self.begin(out, base)
+            choices += [self.choice(replace(c, index=base + c.index)) for c in out.outputs]
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = self.usage(*outs)
+        return body
+
+
+class CompletionFormat(Format):
+    object_full = object_chunk = "text_completion"
+    prefix = "cmpl"
+
+    # echo: the prompt's text leads each choice's text (streamed: its first chunk), and with logprobs its tokens
+    # lead the logprobs, the first with none (nothing predicts it), as OpenAI's legacy API and vLLM give them:
+    # what scoring a text's likelihood (e.g. lm-evaluation-harness) reads.
+    def __init__(self, body: Any, backend: Any) -> None:
+        super().__init__(body, backend)
+        self._prompt_of: dict[int, RequestOutput] = {}  # choice index -> an output of its prompt (echo)
+        self._echoed: set[int] = set()  # choices whose first chunk went out
+
+    def begin(self, first: RequestOutput, base: int = 0) -> None:
+        if self.body.echo:
+            self._prompt_of.update({base + c.index: first for c in first.outputs})
+
+    def _echo_text(self, index: int) -> str:
+        prompt = self._prompt_of.get(index)
+        if prompt is None:
+            return ""
+        return prompt.prompt if prompt.prompt is not None else "".join(map(self.backend.decode_token,
+                                                                           prompt.prompt_token_ids))
+
+    def _logprobs(self, c: CompletionOutput) -> dict | None:
+        if c.logprobs is None:
+            return None
+        decode = self.backend.decode_token
+        ids, steps = list(c.token_ids), list(c.logprobs)
+        prompt = self._prompt_of.get(c.index)
+        if prompt is not None and prompt.prompt_logprobs is not None:
+            ids, steps = prompt.prompt_token_ids + ids, prompt.prompt_logprobs + steps
+        return {"tokens": [decode(t) for t in ids],
+                "token_logprobs": [None if lp is None else lp.get(t) for lp, t in zip(steps, ids)],
+                "top_logprobs": [None if lp is None else {decode(k): v for k, v in lp.items()} for lp in steps],
+                "text_offset": None}
+
+    def choice(self, c: CompletionOutput) -> dict:
+        return {"index": c.index, "text": self._echo_text(c.index) + c.text, "logprobs": self._logprobs(c),
+                "finish_reason": c.finish_reason}
+
+    def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
+        if c.index not in self._echoed:
+            self._echoed.add(c.index)
+            delta = self._echo_text(c.index) + delta
+        if not delta and not finished:
+            return None
+        return self._envelope(self.object_chunk, [{"index": c.index, "text": delta, "logprobs": None,
+                                                   "finish_reason": c.finish_reason if finished else None}])
+
+
+class ChatFormat(Format):
+    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
+    prefix = "chatcmpl"
+
+    def __init__(self, body: Any, backend: Any, tools: ToolPlan | None = None) -> None:
+        super().__init__(body, backend)
+        self._started: set[int] = set()  # choices whose role went out
+        # A forced tool call: the output is JSON for tool_calls, streamed whole in the choice's last chunk (the
+        # calls are read from the complete text; a cut one goes out as content)
+        self.tools = tools
+
+    def _logprobs(self, c: CompletionOutput) -> dict | None:
+        if c.logprobs is None:
+            return None
+        decode = self.backend.decode_token
+
+        def entry(token: int, logprob: float) -> dict:
+            text = decode(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for token, step in zip(c.token_ids, c.logprobs):
+            top = sorted(step.items(), key=lambda kv: -kv[1])[: self.body.top_logprobs or 0]
+            content.append({**entry(token, step[token]), "top_logprobs": [entry(t, v) for t, v in top]})
+        return {"content": content}
+
+    def _message(self, c: CompletionOutput) -> dict[str, Any]:
+        calls = self.tools.calls(c.text) if self.tools is not None else None
+        return {"content": c.text} if calls is None else {"content": None, "tool_calls": calls}
+
+    def choice(self, c: CompletionOutput) -> dict:
+        return {"index": c.index, "message": {"role": "assistant", **self._message(c)},
+                "logprobs": self._logprobs(c), "finish_reason": c.finish_reason}
+
+    def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
+        message: dict[str, Any] = {}
+        if c.index not in self._started:
+            message["role"] = "assistant"
+            self._started.add(c.index)
+        if self.tools is not None:  # nothing until the end, then the calls (or the cut text) whole
+            if finished:
+                calls = self._message(c).get("tool_calls")
+                message.update({"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+                               if calls else {"content": c.text})
+        elif delta:
+            message["content"] = delta
+        if not message and not finished:
+            return None
+        return self._envelope(self.object_chunk, [{"index": c.index, "delta": message, "logprobs": None,
+                                                   "finish_reason": c.finish_reason if finished else None}])

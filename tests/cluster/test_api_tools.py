@@ -1,0 +1,123 @@
+"""Tool calls in /v1/chat/completions (cluster/tool_calls.py), driven by the official openai client over an
+in-process LoRAServer: a named function and "required" write their calls through the engine's grammar, so the
+demo model's random weights still give calls whose arguments match the tools' schemas."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from cluster.chat import render_chat
+from cluster.protocol import ChatMessage
+from cluster.tool_calls import template_messages, tool_plan
+from tests.cluster.api_cases import run, stack  # noqa: F401  (stack: a fixture)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The forecast for a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}}}}
+CHAT = dict(model="demo-chat", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=64,
+            temperature=0)
+
+
+def _check_arguments(name: str, arguments: str) -> None:
+    args = json.loads(arguments)  # strict: the arguments go out as valid JSON
+    if name == "get_weather":
+        assert set(args) == {"city", "days"} and isinstance(args["city"], str) and len(args["city"]) <= 12
+        assert isinstance(args["days"], int) and 1 <= args["days"] <= 7
+    else:
+        assert args in ({"zone": "UTC"}, {"zone": "CET"}, {"zone": "PST"})
+
+
+def test_a_named_function_is_called_with_arguments_of_its_schema(stack):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def go(c):
+        full = await c.chat.completions.create(**CHAT, tools=[WEATHER, TIME], tool_choice=named)
+        chunks = [ch async for ch in await c.chat.completions.create(**CHAT, tools=[WEATHER, TIME],
+                                                                      tool_choice=named, stream=True)]
+        return full, chunks
+
+    full, chunks = run(stack, go)
+    message = full.choices[0].message
+    assert message.content is None and full.choices[0].finish_reason == "stop"
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    _check_arguments("get_weather", call.function.arguments)
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert deltas[0].role == "assistant" and all(not d.content for d in deltas)
+    streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert len(streamed) == 1 and streamed[0].index == 0 and streamed[0].function.name == "get_weather"
+    assert streamed[0].function.arguments == call.function.arguments  # greedy: the same call, streamed whole
+
+
+def test_required_calls_one_of_the_tools(stack):
+    async def go(c):
+        return [await c.chat.completions.create(**dict(CHAT, temperature=1.0, seed=seed), tools=[WEATHER, TIME],
+                                                tool_choice="required", parallel_tool_calls=False)
+                for seed in range(3)]
+
+    for out in run(stack, go):
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name in ("get_weather", "get_time")
+        _check_arguments(call.function.name, call.function.arguments)
+
+
+def test_none_answers_in_text_and_a_conversation_with_calls_renders(stack):
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'}]
+
+    async def go(c):
+        return await c.chat.completions.create(**dict(CHAT, messages=history, max_tokens=4), tools=[WEATHER],
+                                               tool_choice="none")
+
+    out = run(stack, go)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    (dict(tools=[WEATHER]), "tool_choice", "parser"),  # "auto", OpenAI's default once tools are given
+    (dict(tools=[WEATHER], tool_choice="auto"), "tool_choice", "parser"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+     "not among the tools"),
+    (dict(tool_choice="required"), "tool_choice", "needs tools"),
+    (dict(tools=[{"type": "function", "function": {}}], tool_choice="required"), "tools", "tools[0]"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
+     "cannot be combined"),
+])
+def test_what_cannot_be_served_is_a_400_naming_the_field(stack, extra, param, words):
+    async def go(c):
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.chat.completions.create(**CHAT, **extra)
+        return err.value.body
+
+    body = run(stack, go)
+    assert body["param"] == param and words in body["message"], body
+
+
+def test_calls_read_back_and_messages_as_templates_read_them():
+    plan = tool_plan([WEATHER, TIME], "required")
+    calls = plan.calls('[{"name":"get_time","parameters":{"zone":"UTC"}},'
+                       '{"name":"get_weather","parameters":{"city":"Oslo","days":2}}]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "days": 2})]
+    assert plan.calls('[{"name":"get_time","parameters":{"zo') is None  # cut by max_tokens: no calls
+    assert tool_plan([WEATHER], "required", parallel_tool_calls=False).constraint["json"]["maxItems"] == 1
+    assert tool_plan([WEATHER], "none") is None and tool_plan(None, None) is None
+    messages = template_messages([
+        ChatMessage(role="assistant", tool_calls=[{"id": "c", "type": "function",
+                                                   "function": {"name": "f", "arguments": '{"a": 1}'}}]),
+        ChatMessage(role="tool", tool_call_id="c", name="f", content="42")])
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1} and messages[0]["content"] == ""
+    assert messages[1] == {"role": "tool", "content": "42", "tool_call_id": "c", "name": "f"}
+    template = "{% if tools %}[{{ tools | length }} tools]{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert render_chat([{"role": "user", "content": "hi"}], template, tools=[WEATHER, TIME]) == "[2 tools]hi"
