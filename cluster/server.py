@@ -164,11 +164,11 @@ class LoRAServer:
 
     async def models(self) -> list[dict[str, Any]]:
         created = int(time.time())
-        cards = [dict(id=self.model_name, object="model", created=created, owned_by="lorafleet", root=self.model_dir,
-                      parent=None)]
+        common = dict(object="model", created=created, owned_by="lorafleet",
+                      max_model_len=self.engine.engine.max_model_len)  # vLLM's: prompt + output tokens at most
+        cards = [dict(id=self.model_name, root=self.model_dir, parent=None, **common)]
         for name, uri in sorted((await self.catalog.registered()).items()):
-            cards.append(dict(id=name, object="model", created=created, owned_by="lorafleet", root=uri,
-                              parent=self.model_name))
+            cards.append(dict(id=name, root=uri, parent=self.model_name, **common))
         return cards
 
     # ---- generation -----------------------------------------------------------------------

@@ -23,6 +23,8 @@ def test_models_lists_base_and_adapters(stack):
     assert "lorafleet-demo" in ids
     assert {"demo-sql", "demo-chat", "demo-summarize", "demo-translate"} <= set(ids)
     assert ids["demo-sql"].model_extra["parent"] == "lorafleet-demo"
+    lengths = {m.model_extra["max_model_len"] for m in models.data}
+    assert lengths == {stack[2].engine.engine.max_model_len} and lengths.pop() > 0
 
 
 def test_completion_base_and_adapter_and_streaming(stack):
