@@ -143,6 +143,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # for a prompt (the chat template writes its own)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # written by the template, as /v1/chat/completions renders them
 
 
 class DetokenizeRequest(_Body):

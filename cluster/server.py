@@ -61,7 +61,7 @@ class GenerateRequest:
     model: str
     sampling: dict[str, Any]
     prompt: str | dict | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None  # as chat templates read them (tool_calls.template_messages)
     add_generation_prompt: bool = True
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     priority: int = 0  # lower first, where the engine's scheduling_policy is "priority"

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from cluster.chat import render_chat
 from cluster.protocol import DetokenizeRequest, TokenizeRequest
+from cluster.tool_calls import template_messages
 from replicas.errors import InvalidRequestError
 
 
@@ -25,8 +26,8 @@ def add_token_routes(app: FastAPI, backend: Any, error_response: Callable[[BaseE
             return error_response(InvalidRequestError([("prompt", "send exactly one of prompt or messages")]))
         tok = backend.tokenizer
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = render_chat(messages, tok.chat_template, tok.bos_token, tok.eos_token, body.add_generation_prompt)
+            text = render_chat(template_messages(body.messages), tok.chat_template, tok.bos_token, tok.eos_token,
+                               body.add_generation_prompt, tools=body.tools)
             ids = tok.encode(text, add_special_tokens=False)  # the template writes BOS itself
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
