@@ -189,7 +189,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
                     for c, delta, _, finished in deltas(out):  # a chunk per choice with news (n > 1: several)
                         chunk = fmt.chunk(delta, c, finished)
                         if chunk is not None:
-                            yield f"data: {json.dumps(chunk)}\n\n"
+                            yield _event(chunk, body, fmt, out)
             except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band, then close
                 yield f"data: {error_response(exc).body.decode()}\n\n"
             else:
@@ -230,7 +230,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
                         for c, delta, _, finished in deltas[i](out):
                             chunk = fmt.chunk(delta, replace(c, index=i * n + c.index), finished)
                             if chunk is not None:
-                                yield f"data: {json.dumps(chunk)}\n\n"
+                                yield _event(chunk, body, fmt, *lasts)
             except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band, then close
                 yield f"data: {error_response(exc).body.decode()}\n\n"
             else:
@@ -244,6 +244,13 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     app.state.metrics = metrics
     return app
+
+
+def _event(chunk: dict, body: Any, fmt: Format, *outs: RequestOutput) -> str:
+    """One SSE event; with vLLM's stream_options.continuous_usage_stats, the usage so far rides on every chunk."""
+    if (body.stream_options or {}).get("continuous_usage_stats"):
+        chunk["usage"] = fmt.usage(*outs)
+    return f"data: {json.dumps(chunk)}\n\n"
 
 
 async def _achain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

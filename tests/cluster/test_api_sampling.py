@@ -272,3 +272,19 @@ def test_priority_reaches_the_engine(stack):
     refused, chat_refused, served = run(stack, go)
     assert refused["param"] == "priority" and "scheduling_policy" in refused["message"]
     assert chat_refused["param"] == "priority" and served.choices[0].finish_reason == "length"
+
+
+def test_continuous_usage_stats_ride_on_every_chunk(stack):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far, growing to the final."""
+    kw = dict(model="demo-sql", prompt="The quick brown fox", max_tokens=5, temperature=0, stream=True)
+
+    async def go(c):
+        return [ch async for ch in await c.completions.create(
+            **kw, stream_options={"include_usage": True, "continuous_usage_stats": True})]
+
+    chunks = run(stack, go)
+    usages = [ch.usage for ch in chunks]
+    assert all(u is not None for u in usages) and len(usages) >= 3
+    generated = [u.completion_tokens for u in usages]
+    assert generated == sorted(generated) and generated[-1] == 5 and generated[0] < 5
+    assert len({u.prompt_tokens for u in usages}) == 1 and usages[0].prompt_tokens > 0
