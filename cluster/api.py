@@ -158,7 +158,8 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
         if plan is not None:
             sampling["structured_outputs"] = plan.constraint
         req = GenerateRequest(body.model, sampling, messages=template_messages(body.messages), priority=body.priority,
-                              add_generation_prompt=body.add_generation_prompt, tools=body.tools)
+                              add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                              continue_final_message=body.continue_final_message)
         return await _respond(req, body, ChatFormat(body, backend, plan))
 
     async def _respond(req: GenerateRequest, body: Any, fmt: Format):

@@ -28,12 +28,23 @@ def _raise(message: str) -> None:
 
 def render_chat(messages: list[dict[str, Any]], template: str | None, bos_token: str | None = None,
                 eos_token: str | None = None, add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
     """The prompt text for ``messages`` (and OpenAI's ``tools``, for templates that write them, as
-    transformers' apply_chat_template passes them); a template's own checks become InvalidRequestError (400)."""
+    transformers' apply_chat_template passes them); a template's own checks become InvalidRequestError (400).
+
+    continue_final_message (vLLM's and transformers'): the text stops right after the last message's content,
+    without the end of its turn, so that the model carries that message on (a "prefilled" answer)."""
     try:
-        return _compile(template or _FALLBACK).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                       bos_token=bos_token or "", eos_token=eos_token or "",
-                                                       tools=tools)
+        text = _compile(template or _FALLBACK).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                      bos_token=bos_token or "", eos_token=eos_token or "",
+                                                      tools=tools)
     except jinja2.TemplateError as exc:
         raise InvalidRequestError([("messages", f"chat template failed: {exc}")]) from exc
+    if not continue_final_message:
+        return text
+    final = (messages[-1].get("content") or "").rstrip() if messages else ""
+    end = text.rfind(final) if final else -1
+    if end < 0:  # templates may strip or rewrite content: then there is no place to cut
+        raise InvalidRequestError([("continue_final_message", "the chat template does not write the last "
+                                                              "message's content as given, so it cannot be continued")])
+    return text[: end + len(final)]

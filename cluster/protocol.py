@@ -130,9 +130,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: carry the last (assistant) message on, no new turn
     tools: list[dict[str, Any]] | None = None  # OpenAI's functions; tool_choice decides (cluster/tool_calls.py)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false: the answer either starts a "
+                             "new turn or carries the last message on")
+        return self
 
 
 

@@ -66,6 +66,7 @@ class GenerateRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     priority: int = 0  # lower first, where the engine's scheduling_policy is "priority"
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, for the chat template
+    continue_final_message: bool = False  # chat: the last message carried on (cluster/chat.py)
 
 
 class LoRAServer:
@@ -180,7 +181,8 @@ class LoRAServer:
         if request.messages is not None:
             tok = self.tokenizer
             text = render_chat(request.messages, tok.chat_template, tok.bos_token, tok.eos_token,
-                               request.add_generation_prompt, tools=request.tools)
+                               request.add_generation_prompt, tools=request.tools,
+                               continue_final_message=request.continue_final_message)
             prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}  # the template adds BOS
         self._inflight += 1
         try:

@@ -12,8 +12,10 @@ import pytest
 
 from cluster.api import build_api
 from cluster.catalog import LocalCatalog
+from cluster.chat import render_chat
 from cluster.server import LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
+from replicas.errors import InvalidRequestError
 from tests.cluster.api_cases import ENGINE, run, stack  # noqa: F401  (stack: a fixture)
 
 
@@ -253,3 +255,34 @@ def test_routing_stats_count_load_workers_replaced_after_one_died():
         out = run(stack, lambda c: c.completions.create(model="demo-sql", prompt="SELECT", max_tokens=4))
         assert out.usage.completion_tokens == 4
         assert server.routing_stats()["load_worker_restarts"] == server.load_worker_restarts() == 1
+
+
+def test_continue_final_message_carries_the_answer_on(stack):
+    """vLLM's continue_final_message: the prompt stops after the last (assistant) message's content, without the
+    template's end of turn (the demo template's ' </s>'), so the model continues that message."""
+    messages = [{"role": "user", "content": "Write a query"}, {"role": "assistant", "content": "SELECT name"}]
+    kw = dict(model="demo-sql", messages=messages, max_tokens=3, temperature=0, extra_body={})
+
+    async def go(c):
+        closed = await c.chat.completions.create(**dict(kw, extra_body={"add_generation_prompt": False}))
+        carried = await c.chat.completions.create(**dict(kw, extra_body={"add_generation_prompt": False,
+                                                                           "continue_final_message": True}))
+        with pytest.raises(openai.BadRequestError) as both:
+            await c.chat.completions.create(**dict(kw, extra_body={"continue_final_message": True}))
+        return closed, carried, both.value.body
+
+    closed, carried, both = run(stack, go)
+    assert carried.usage.prompt_tokens < closed.usage.prompt_tokens
+    assert "add_generation_prompt" in both["message"]
+
+
+def test_render_chat_cuts_after_the_last_content():
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</turn>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the answer is "}]
+    assert render_chat(messages, template, add_generation_prompt=False, continue_final_message=True) == \
+        "<user>hi</turn><assistant>Sure, the answer is"
+    with pytest.raises(InvalidRequestError) as err:  # a template that rewrites the content leaves no place to cut
+        render_chat(messages, template.replace("m['content']", "m['content'] | upper"), add_generation_prompt=False,
+                    continue_final_message=True)
+    assert err.value.fields == ["continue_final_message"]
