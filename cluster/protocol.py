@@ -74,7 +74,8 @@ class _Sampling(_Body):
 
     @model_validator(mode="after")
     def _one_output_format(self) -> "_Sampling":
-        given = [name for name in ("response_format", "structured_outputs", *_GUIDED) if getattr(self, name) is not None]
+        given = [name for name in ("response_format", "structured_outputs", *_GUIDED)
+                 if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             given.remove("response_format")
         if len(given) > 1:

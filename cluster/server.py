@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Protocol
 
-from cluster.chat import render_chat
 from cluster.errors import AdapterNotFoundError
 from lora_core.request import LoRARequest
 from replicas.async_engine import AsyncLLMEngine
+from replicas.chat_template import render_chat
 from replicas.engine import EngineArgs
 from replicas.outputs import RequestOutput
 
@@ -66,7 +66,7 @@ class GenerateRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     priority: int = 0  # lower first, where the engine's scheduling_policy is "priority"
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, for the chat template
-    continue_final_message: bool = False  # chat: the last message carried on (cluster/chat.py)
+    continue_final_message: bool = False  # chat: the last message carried on (replicas/chat_template.py)
 
 
 class LoRAServer:

@@ -11,9 +11,9 @@ from typing import Any, Callable
 
 from fastapi import FastAPI
 
-from cluster.chat import render_chat
 from cluster.protocol import DetokenizeRequest, TokenizeRequest
 from cluster.tool_calls import template_messages
+from replicas.chat_template import render_chat
 from replicas.errors import InvalidRequestError
 
 

@@ -4,14 +4,16 @@
     outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=16),
                         lora_request=[LoRARequest("sql", 1, sql_dir), None])
     outs[0].outputs[0].text
+    llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=16))   # the model's chat template
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Any, Sequence
 
 from lora_core.request import LoRARequest
+from replicas.chat_template import render_chat
 from replicas.engine import EngineArgs, LLMEngine
 from replicas.errors import EngineError
 from replicas.outputs import CompletionOutput, RequestOutput
@@ -52,6 +54,25 @@ class LLM:
                 if output.finished:
                     results[output.request_id] = output
         return [results[i] for i in order]
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, each
+        rendered with the model's chat template (replicas/chat_template.py; OpenAI's tools passed to it), then
+        generated as generate() would. continue_final_message: the last message is carried on, not answered."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": tok.encode(
+            render_chat(list(conversation), tok.chat_template, tok.bos_token, tok.eos_token, add_generation_prompt,
+                        tools, continue_final_message), add_special_tokens=False)}  # the template writes BOS
+            for conversation in conversations]
+        return self.generate(prompts, sampling_params, lora_request, priority)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -12,9 +12,9 @@ import pytest
 
 from cluster.api import build_api
 from cluster.catalog import LocalCatalog
-from cluster.chat import render_chat
 from cluster.server import LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
+from replicas.chat_template import render_chat
 from replicas.errors import InvalidRequestError
 from tests.cluster.api_cases import ENGINE, run, stack  # noqa: F401  (stack: a fixture)
 

@@ -9,9 +9,9 @@ import json
 import openai
 import pytest
 
-from cluster.chat import render_chat
 from cluster.protocol import ChatMessage
 from cluster.tool_calls import template_messages, tool_plan
+from replicas.chat_template import render_chat
 from tests.cluster.api_cases import run, stack  # noqa: F401  (stack: a fixture)
 
 WEATHER = {"type": "function", "function": {

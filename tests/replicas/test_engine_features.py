@@ -271,3 +271,27 @@ def test_bad_words_never_appear_as_their_tokens(llm, first_run):
     assert out.token_ids != first_run.token_ids
     with pytest.raises(InvalidRequestError, match="bad_words"):
         greedy(4, bad_words=["ok", " "])
+
+
+def test_chat_renders_each_conversation_with_the_models_template(llm, loras):
+    """vLLM's LLM.chat: a conversation, or several, through the chat template; the same tokens as generate() on
+    the rendered prompt; continue_final_message leaves the last message open."""
+    from replicas.chat_template import render_chat
+
+    tok = llm.engine.tokenizer
+    one = [{"role": "user", "content": "Write a query"}]
+    two = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    sql = loras[sorted(loras)[-1]]
+    outs = llm.chat([one, two], greedy(6), lora_request=[sql, None])
+    for conversation, out, lora in zip((one, two), outs, (sql, None)):
+        ids = tok.encode(render_chat(conversation, tok.chat_template, tok.bos_token, tok.eos_token),
+                         add_special_tokens=False)
+        assert out.prompt_token_ids == ids and out.prompt_token_ids[0] == tok.bos_token_id
+        alone = llm.generate({"prompt_token_ids": ids}, greedy(6), lora)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert llm.chat(one, greedy(6), lora_request=sql)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    prefilled = one + [{"role": "assistant", "content": "SELECT"}]
+    carried = llm.chat(prefilled, greedy(2), add_generation_prompt=False, continue_final_message=True)[0]
+    assert tok.decode(carried.prompt_token_ids).endswith("SELECT")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(prefilled, greedy(2), continue_final_message=True)
