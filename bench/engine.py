@@ -87,6 +87,11 @@ HEADS = ["scenario", "r", "#reg", "tok/s", "ttft50", "ttft99", "tpot50", "tpot99
          "loads", "extra", "bound", "x bnd", "ceil"]
 
 
+# Every request's sampling: greedy, as the recorded rows ran, or random as most traffic samples
+# (bench/sampling_settings.py measures what each setting costs).
+SAMPLING = {"greedy": {"temperature": 0.0}, "random": {"temperature": 0.8, "top_p": 0.95, "top_k": 50}}
+
+
 def scenarios(ranks: list[int], variants: tuple[str, ...] = ()) -> dict[str, tuple[str, int, int, str]]:
     """name -> (popularity, pool size (0: one per request), rank, variant ("" = the default engine)).
 
@@ -193,7 +198,8 @@ def engine_rows(a, names: list[str], table: dict, model_dir: Path, pools: Adapte
             loras = pools.pool(name.rsplit("-", 1)[0], rank, size) if rank else []
             merges = engine.executor.call("lora_merge_state")[1]
             with CompileLog() as compiled:  # kernel variants the engine's warm-up left to serving
-                run = drive(engine, rec, assign_adapters(reqs, pop, size), loras, a.concurrency, a.rate, name)
+                run = drive(engine, rec, assign_adapters(reqs, pop, size), loras, a.concurrency, a.rate, name,
+                            SAMPLING[a.sampling])
             emit(dict(summarize(name, rank, size if rank and pop != "none" else 0, run, a.concurrency),
                       compiles=len(compiled.variants), compiled="; ".join(compiled.variants),
                       merges=engine.executor.call("lora_merge_state")[1] - merges))
@@ -276,6 +282,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,...]",
                    help="also run every row as '<row>+NAME' on an engine with these EngineArgs changed")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                   help="every request's sampling (random: temperature 0.8, top_p 0.95, top_k 50)")
     p.add_argument("--workdir", default=None, help="where model dirs and adapters go (default: a temp dir)")
     a = p.parse_args(argv)
     for key, value in (CPU_TINY if a.tiny else GPU).items():

@@ -258,8 +258,9 @@ class Recorder:
 
 
 def drive(engine: LLMEngine, rec: Recorder, reqs: list[Request], loras: list, concurrency: int,
-          rate: float | None, tag: str) -> dict:
-    """Run reqs to completion (closed loop of `concurrency`, or Poisson arrivals); per-request times."""
+          rate: float | None, tag: str, sampling: dict | None = None) -> dict:
+    """Run reqs to completion (closed loop of `concurrency`, or Poisson arrivals); per-request times.
+    sampling: SamplingParams fields for every request (default greedy)."""
     pending, active = deque(range(len(reqs))), 0
     added, first, done, ntok = {}, {}, {}, {}
     rec.steps.clear()
@@ -273,7 +274,8 @@ def drive(engine: LLMEngine, rec: Recorder, reqs: list[Request], loras: list, co
             r = reqs[i]
             added[i] = t0 + r.arrival if rate else time.perf_counter()  # a load in add_request counts
             engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_ids},
-                               SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
+                               SamplingParams(max_tokens=r.max_tokens, ignore_eos=True,
+                                              **(sampling or {"temperature": 0.0})),
                                None if r.adapter is None else loras[r.adapter])
             active += 1
         if not engine.has_unfinished_requests():

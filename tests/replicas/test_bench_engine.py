@@ -154,3 +154,22 @@ def test_variants_take_every_kind_of_engine_setting():
     assert type(fields["lora_load_processes"]) is int and type(fields["gpu_memory_utilization"]) is float
     with pytest.raises(SystemExit, match="not an EngineArgs field"):
         parse_variant("x:no_such_field=1")
+
+
+def test_random_sampling_rows_generate_every_requested_token(tmp_path):
+    """--sampling random (temperature, top_p, top_k for every request) runs the same workload: each request still
+    generates its output length (ignore_eos), so the tokens column equals greedy's."""
+    def tokens(sampling: str) -> dict[str, int]:
+        out = tmp_path / sampling
+        env = dict(os.environ, OUT=str(out), LORAFLEET_CACHE=str(tmp_path / "cache"))
+        if not torch.cuda.is_available():
+            env.setdefault("TRITON_INTERPRET", "1")
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--tiny", "--scenarios",
+                               "base,one-r16", "--ranks", "16", "--sampling", sampling], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(next(out.glob("*.csv"))) as f:
+            return {row["scenario"]: int(row["tokens"]) for row in csv.DictReader(f)}
+
+    sampled, greedy = tokens("random"), tokens("greedy")
+    assert sampled == greedy and set(sampled) == {"base", "one-r16"} and all(sampled.values())
