@@ -187,8 +187,8 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
                 async for out in _achain(first, stream):
                     timing.token(out)
                     last = out
-                    for c, delta, _, finished in deltas(out):  # a chunk per choice with news (n > 1: several)
-                        chunk = fmt.chunk(delta, c, finished)
+                    for c, delta, ids, finished in deltas(out):  # a chunk per choice with news (n > 1: several)
+                        chunk = fmt.chunk(delta, c, finished, ids)
                         if chunk is not None:
                             yield _event(chunk, body, fmt, out)
             except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band, then close
@@ -228,8 +228,8 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
                     async for i, out in outputs:
                         timings[i].token(out)
                         lasts[i] = out
-                        for c, delta, _, finished in deltas[i](out):
-                            chunk = fmt.chunk(delta, replace(c, index=i * n + c.index), finished)
+                        for c, delta, ids, finished in deltas[i](out):
+                            chunk = fmt.chunk(delta, replace(c, index=i * n + c.index), finished, ids)
                             if chunk is not None:
                                 yield _event(chunk, body, fmt, *lasts)
             except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band, then close

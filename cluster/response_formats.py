@@ -16,6 +16,11 @@ from cluster.tool_calls import ToolPlan
 from replicas.outputs import CompletionOutput, RequestOutput
 
 
+def _last(items: list, n: int | None) -> list:
+    """items' last n (n None: all of them; 0: none)."""
+    return items if n is None else items[len(items) - n:]
+
+
 class Format:
     object_full = ""
     object_chunk = ""
@@ -79,13 +84,14 @@ class CompletionFormat(Format):
         return prompt.prompt if prompt.prompt is not None else "".join(map(self.backend.decode_token,
                                                                            prompt.prompt_token_ids))
 
-    def _logprobs(self, c: CompletionOutput) -> dict | None:
+    def _logprobs(self, c: CompletionOutput, new: int | None = None, with_prompt: bool = True) -> dict | None:
+        """The choice's logprobs: all, or (a stream's chunk) its last `new` tokens', the echoed prompt's first."""
         if c.logprobs is None:
             return None
         decode = self.backend.decode_token
-        ids, steps = list(c.token_ids), list(c.logprobs)
+        ids, steps = _last(list(c.token_ids), new), _last(list(c.logprobs), new)
         prompt = self._prompt_of.get(c.index)
-        if prompt is not None and prompt.prompt_logprobs is not None:
+        if with_prompt and prompt is not None and prompt.prompt_logprobs is not None:
             ids, steps = prompt.prompt_token_ids + ids, prompt.prompt_logprobs + steps
         return {"tokens": [decode(t) for t in ids],
                 "token_logprobs": [None if lp is None else lp.get(t) for lp, t in zip(steps, ids)],
@@ -96,13 +102,17 @@ class CompletionFormat(Format):
         return {"index": c.index, "text": self._echo_text(c.index) + c.text, "logprobs": self._logprobs(c),
                 "finish_reason": c.finish_reason}
 
-    def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
-        if c.index not in self._echoed:
+    def chunk(self, delta: str, c: CompletionOutput, finished: bool, new_ids: list[int] = ()) -> dict | None:
+        first = c.index not in self._echoed
+        if first:
             self._echoed.add(c.index)
             delta = self._echo_text(c.index) + delta
-        if not delta and not finished:
+        logprobs = self._logprobs(c, len(new_ids), with_prompt=first)
+        if logprobs is not None and not logprobs["tokens"]:
+            logprobs = None
+        if not delta and not finished and logprobs is None:
             return None
-        return self._envelope(self.object_chunk, [{"index": c.index, "text": delta, "logprobs": None,
+        return self._envelope(self.object_chunk, [{"index": c.index, "text": delta, "logprobs": logprobs,
                                                    "finish_reason": c.finish_reason if finished else None}])
 
 
@@ -117,7 +127,8 @@ class ChatFormat(Format):
         # calls are read from the complete text; a cut one goes out as content)
         self.tools = tools
 
-    def _logprobs(self, c: CompletionOutput) -> dict | None:
+    def _logprobs(self, c: CompletionOutput, new: int | None = None) -> dict | None:
+        """The choice's logprobs: all, or (a stream's chunk) its last `new` tokens'."""
         if c.logprobs is None:
             return None
         decode = self.backend.decode_token
@@ -127,7 +138,7 @@ class ChatFormat(Format):
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         content = []
-        for token, step in zip(c.token_ids, c.logprobs):
+        for token, step in zip(_last(list(c.token_ids), new), _last(list(c.logprobs), new)):
             top = sorted(step.items(), key=lambda kv: -kv[1])[: self.body.top_logprobs or 0]
             content.append({**entry(token, step[token]), "top_logprobs": [entry(t, v) for t, v in top]})
         return {"content": content}
@@ -140,7 +151,7 @@ class ChatFormat(Format):
         return {"index": c.index, "message": {"role": "assistant", **self._message(c)},
                 "logprobs": self._logprobs(c), "finish_reason": c.finish_reason}
 
-    def chunk(self, delta: str, c: CompletionOutput, finished: bool) -> dict | None:
+    def chunk(self, delta: str, c: CompletionOutput, finished: bool, new_ids: list[int] = ()) -> dict | None:
         message: dict[str, Any] = {}
         if c.index not in self._started:
             message["role"] = "assistant"
@@ -152,7 +163,8 @@ class ChatFormat(Format):
                                if calls else {"content": c.text})
         elif delta:
             message["content"] = delta
-        if not message and not finished:
+        logprobs = self._logprobs(c, len(new_ids)) if self.tools is None and new_ids else None
+        if not message and not finished and not logprobs:
             return None
-        return self._envelope(self.object_chunk, [{"index": c.index, "delta": message, "logprobs": None,
+        return self._envelope(self.object_chunk, [{"index": c.index, "delta": message, "logprobs": logprobs,
                                                    "finish_reason": c.finish_reason if finished else None}])

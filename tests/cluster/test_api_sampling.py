@@ -288,3 +288,35 @@ def test_continuous_usage_stats_ride_on_every_chunk(stack):
     generated = [u.completion_tokens for u in usages]
     assert generated == sorted(generated) and generated[-1] == 5 and generated[0] < 5
     assert len({u.prompt_tokens for u in usages}) == 1 and usages[0].prompt_tokens > 0
+
+
+def test_streams_carry_each_tokens_logprobs_once(stack):
+    """Streamed, each chunk carries the logprobs of the tokens it brings (chat: OpenAI's content entries;
+    completions: the legacy lists, the echoed prompt's first): together, what the full response gives."""
+    kw = dict(model="demo-sql", max_tokens=6, temperature=0)
+    messages = [{"role": "user", "content": "Say hello"}]
+
+    async def go(c):
+        chat_full = await c.chat.completions.create(**kw, messages=messages, logprobs=True, top_logprobs=2)
+        chat_chunks = [ch async for ch in await c.chat.completions.create(**kw, messages=messages, logprobs=True,
+                                                                           top_logprobs=2, stream=True)]
+        text_full = await c.completions.create(**kw, prompt="The quick brown fox", logprobs=2, echo=True)
+        text_chunks = [ch async for ch in await c.completions.create(**kw, prompt="The quick brown fox", logprobs=2,
+                                                                      echo=True, stream=True)]
+        return chat_full, chat_chunks, text_full, text_chunks
+
+    chat_full, chat_chunks, text_full, text_chunks = run(stack, go)
+    streamed = [e for ch in chat_chunks if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    full = chat_full.choices[0].logprobs.content
+    # two requests, batched apart: the same tokens, logprobs equal to float32's noise
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, [t.token for t in e.top_logprobs]) for e in full] and len(full) == 6
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in full], abs=1e-4)
+    tokens, token_logprobs = [], []
+    for ch in text_chunks:
+        if ch.choices and ch.choices[0].logprobs:
+            tokens += ch.choices[0].logprobs.tokens
+            token_logprobs += ch.choices[0].logprobs.token_logprobs
+    assert tokens == text_full.choices[0].logprobs.tokens and token_logprobs[0] is None  # the prompt leads
+    assert token_logprobs[1:] == pytest.approx(text_full.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
