@@ -245,3 +245,21 @@ def test_constrained_requests_on_the_gpu(demo, loras):
         assert out.error is None
         for completion in out.outputs:
             assert completion.finish_reason == "stop" and check(completion.text), completion.text
+
+
+def test_preemption_keeps_each_grammar_where_its_sequence_was(make_llm):  # noqa: F811
+    """Constrained requests in a cache too small for all of them preempt each other (recompute): their matchers
+    keep the tokens already accepted, so each output equals the same request run in a roomy cache."""
+    from tests.replicas.engine_cases import submit
+
+    ids_regex = r"[a-z]{30}"  # 30 tokens or more of lowercase: long enough to outgrow the blocks
+    params = [greedy(36, structured_outputs=SO(regex=ids_regex))] * 4 + \
+             [seeded(3, 36, structured_outputs=SO(regex=ids_regex))] * 2
+    reference = [o.outputs[0].token_ids for o in make_llm().generate(PROMPTS, params)]
+    small = make_llm(num_kv_blocks=5, block_size=16)
+    seqs = submit(small.engine, PROMPTS, params, [None] * len(PROMPTS))
+    final = run_steps(small.engine)
+    assert sum(s.num_preemptions for s in seqs.values()) > 0
+    for i, ref in enumerate(reference):
+        completion = final[str(i)].outputs[0]
+        assert completion.token_ids == ref and re.fullmatch(ids_regex, completion.text), completion
