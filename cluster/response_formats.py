@@ -1,8 +1,9 @@
 """OpenAI response bodies: a request's final output as one JSON body, or its deltas as SSE chunks.
 
 CompletionFormat writes /v1/completions' (text_completion: echo, legacy logprobs), ChatFormat
-/v1/chat/completions' (chat.completion and its chunks: the role first, top_logprobs). Both number choices
-i * n + j over several prompts (cluster/prompt_batch.py) and count usage.
+/v1/chat/completions' (chat.completion and its chunks: the role first, top_logprobs, forced tool calls).
+Both number choices i * n + j over several prompts (cluster/prompt_batch.py), count usage, and stream each
+token's logprobs with the chunk that brings it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def _last(items: list, n: int | None) -> list:
 
 
 class Format:
+    """One response's id and numbering. Subclasses write a choice of the full body (choice(completion)) and a
+    stream's chunk for a completion's news (chunk(text delta, completion, finished, new token ids), None when
+    there is nothing to send)."""
+
     object_full = ""
     object_chunk = ""
     prefix = ""
