@@ -149,13 +149,13 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
         if body.max_completion_tokens is not None:
             sampling["max_tokens"] = body.max_completion_tokens
         try:
-            plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
-            if plan is not None and sampling["structured_outputs"] is not None:
+            plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, backend.tool_parser)
+            if plan is not None and plan.constraint is not None and sampling["structured_outputs"] is not None:
                 raise InvalidRequestError([("tool_choice", "a forced tool call writes the output's shape: it "
                                             "cannot be combined with response_format or structured_outputs")])
         except InvalidRequestError as exc:
             return error_response(exc)
-        if plan is not None:
+        if plan is not None and plan.constraint is not None:
             sampling["structured_outputs"] = plan.constraint
         req = GenerateRequest(body.model, sampling, messages=template_messages(body.messages), priority=body.priority,
                               add_generation_prompt=body.add_generation_prompt, tools=body.tools,

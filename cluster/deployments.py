@@ -128,6 +128,7 @@ class _ReplicaBackend:
     def __init__(self, replicas, catalog: TierCatalog, model_name: str, default_max_tokens: int) -> None:
         self.replicas, self.catalog = replicas, catalog
         self.model_name, self.default_max_tokens = model_name, default_max_tokens
+        self.tool_parser = None  # the Ingress sets the server's (ServerConfig.tool_call_parser)
         self._decode = None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
@@ -202,6 +203,7 @@ class Ingress:
                                                   config.model.rstrip("/").rsplit("/", 1)[-1])
         self.backend = _ReplicaBackend(replicas, self.catalog, model_name, config.default_max_tokens)
         self.backend.lora_config = config.engine_args("unused").lora_config()
+        self.backend.tool_parser = config.tool_parser
         if config.model == "demo":
             from replicas.demo_checkpoint import ensure_demo_checkpoint
 

@@ -128,9 +128,11 @@ class ChatFormat(Format):
     def __init__(self, body: Any, backend: Any, tools: ToolPlan | None = None) -> None:
         super().__init__(body, backend)
         self._started: set[int] = set()  # choices whose role went out
-        # A forced tool call: the output is JSON for tool_calls, streamed whole in the choice's last chunk (the
-        # calls are read from the complete text; a cut one goes out as content)
+        # With tools (cluster/tool_calls.py): a forced call's output is JSON for tool_calls, streamed whole in the
+        # choice's last chunk; under "auto" the content streams up to where a call may begin (the parser's
+        # content_end), and what follows goes out in the last chunk, as calls or as content.
         self.tools = tools
+        self._sent: dict[int, int] = {}  # "auto": content characters streamed per choice
 
     def _logprobs(self, c: CompletionOutput, new: int | None = None) -> dict | None:
         """The choice's logprobs: all, or (a stream's chunk) its last `new` tokens'."""
@@ -149,27 +151,45 @@ class ChatFormat(Format):
         return {"content": content}
 
     def _message(self, c: CompletionOutput) -> dict[str, Any]:
-        calls = self.tools.calls(c.text) if self.tools is not None else None
-        return {"content": c.text} if calls is None else {"content": None, "tool_calls": calls}
+        return self.tools.message(c.text) if self.tools is not None else {"content": c.text}
+
+    def _finish_reason(self, c: CompletionOutput, message: dict[str, Any]) -> str | None:
+        """OpenAI's "tool_calls" where the model chose to call ("auto"); a forced call ends as "stop", as in vLLM."""
+        chose = self.tools is not None and self.tools.parser is not None and "tool_calls" in message
+        return "tool_calls" if chose and c.finish_reason == "stop" else c.finish_reason
 
     def choice(self, c: CompletionOutput) -> dict:
-        return {"index": c.index, "message": {"role": "assistant", **self._message(c)},
-                "logprobs": self._logprobs(c), "finish_reason": c.finish_reason}
+        message = self._message(c)
+        return {"index": c.index, "message": {"role": "assistant", **message}, "logprobs": self._logprobs(c),
+                "finish_reason": self._finish_reason(c, message)}
 
     def chunk(self, delta: str, c: CompletionOutput, finished: bool, new_ids: list[int] = ()) -> dict | None:
         message: dict[str, Any] = {}
         if c.index not in self._started:
             message["role"] = "assistant"
             self._started.add(c.index)
-        if self.tools is not None:  # nothing until the end, then the calls (or the cut text) whole
+        finish_reason = c.finish_reason if finished else None
+        if self.tools is None:
+            if delta:
+                message["content"] = delta
+        else:
+            sent = self._sent.get(c.index, 0)
             if finished:
-                calls = self._message(c).get("tool_calls")
-                message.update({"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-                               if calls else {"content": c.text})
-        elif delta:
-            message["content"] = delta
+                whole = self._message(c)
+                finish_reason = self._finish_reason(c, whole)
+                calls = whole.get("tool_calls")
+                rest = (whole["content"] or "")[sent:] if calls else c.text[sent:]
+                if rest:
+                    message["content"] = rest
+                if calls:
+                    message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+            elif self.tools.parser is not None:  # "auto": the text that cannot be a call's start yet
+                end = self.tools.parser.content_end(c.text)
+                if end > sent:
+                    message["content"] = c.text[sent:end]
+                    self._sent[c.index] = end
         logprobs = self._logprobs(c, len(new_ids)) if self.tools is None and new_ids else None
         if not message and not finished and not logprobs:
             return None
         return self._envelope(self.object_chunk, [{"index": c.index, "delta": message, "logprobs": logprobs,
-                                                   "finish_reason": c.finish_reason if finished else None}])
+                                                   "finish_reason": finish_reason}])

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Protocol
 
 from cluster.errors import AdapterNotFoundError
+from cluster.tool_parsers import ToolParser, tool_parser
 from lora_core.request import LoRARequest
 from replicas.async_engine import AsyncLLMEngine
 from replicas.chat_template import render_chat
@@ -47,6 +48,12 @@ class ServerConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineArgs fields
     default_max_tokens: int = 256
     preload_adapters: dict[str, str] = field(default_factory=dict)  # name -> uri, registered at start
+    # The model family's tool-call syntax, for chat's tool_choice "auto": "hermes" or "llama3_json"
+    # (cluster/tool_parsers.py); None refuses "auto".
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        self.tool_parser = tool_parser(self.tool_call_parser)  # an unknown name fails the deployment's start
 
     def engine_args(self, model_dir: str) -> EngineArgs:
         args = dict(enable_lora=True, max_loras=4, max_lora_rank=64)
@@ -221,6 +228,10 @@ class LoRAServer:
     @property
     def default_max_tokens(self) -> int:
         return self.config.default_max_tokens
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        return self.config.tool_parser
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -10,8 +10,9 @@ parser has to find calls in free text, as vLLM does for these two choices:
   the tools and holding arguments for it.
 
 Arguments are written compactly (no free whitespace: a weak model cannot pad them without end). "none"
-renders the tools into the prompt and answers in text. "auto", OpenAI's default once tools are given,
-would need a parser per model family to tell a call from text: it is refused with a message saying so.
+renders the tools into the prompt and answers in text. "auto", OpenAI's default once tools are given, lets
+the model choose, so a parser for the model family's call syntax must find the calls in free text
+(cluster/tool_parsers.py, named by ServerConfig.tool_call_parser); without one it is refused, saying so.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.tool_parsers import ToolParser
 from replicas.errors import InvalidRequestError
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -47,30 +49,42 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a request's tool_choice makes of its output: the constraint to write it, and how to read it back."""
+    """What a request's tool_choice makes of its output: the constraint that writes a forced call, or the parser
+    that finds calls the model chose to make ("auto"); and how to read the output back."""
 
-    name: str | None  # the named function; None for "required"
-    constraint: dict[str, Any]  # StructuredOutputsParams fields
+    name: str | None  # the named function; None for "required" and "auto"
+    constraint: dict[str, Any] | None  # StructuredOutputsParams fields (forced calls)
+    parser: ToolParser | None = None  # "auto"
 
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The OpenAI tool_calls the output holds; None where it holds none whole (cut by max_tokens)."""
+    def message(self, text: str) -> dict[str, Any]:
+        """The assistant message's content and tool_calls for a finished output; its text as content where it
+        holds no call whole (cut by max_tokens, or the model answered in text)."""
+        found = self._found(text)
+        if found is None:
+            return {"content": text}
+        content, calls = found
+        return {"content": content, "tool_calls": [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in calls]}
+
+    def _found(self, text: str) -> tuple[str | None, list[tuple[str, Any]]] | None:
+        if self.parser is not None:
+            return self.parser.parse(text)
         try:
             # strict=False: a control character the grammar let into a string is kept (json.dumps escapes it)
             value = json.loads(text, strict=False)
         except ValueError:
             return None
         if self.name is not None:
-            found = [(self.name, value)]
-        else:
-            found = [(item["name"], item["parameters"]) for item in value]
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in found]
+            return None, [(self.name, value)]
+        return None, [(item["name"], item["parameters"]) for item in value]
 
 
 def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None,
-              parallel_tool_calls: bool = True) -> ToolPlan | None:
+              parallel_tool_calls: bool = True, parser: ToolParser | None = None) -> ToolPlan | None:
     """The plan for a chat request's tools, None where the output stays text; InvalidRequestError names the
-    field at fault. parallel_tool_calls False: "required" makes exactly one call."""
+    field at fault. parallel_tool_calls False: "required" makes exactly one call. parser: the server's, for
+    "auto"."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise _refuse("tool_choice needs tools")
@@ -80,8 +94,11 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None
     if choice == "none":
         return None
     if choice == "auto":
-        raise _refuse('tool_choice "auto" (the default once tools are given) needs a tool-call parser for the '
-                      'model, which this server does not have: ask for "required" or a named function, or "none"')
+        if parser is None:
+            raise _refuse('tool_choice "auto" (the default once tools are given) needs a tool-call parser for the '
+                          'model (server.tool_call_parser), which this server does not have: ask for "required" or '
+                          'a named function, or "none"')
+        return ToolPlan(None, None, parser)
     if choice == "required":
         options = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                     "properties": {"name": {"enum": [name]}, "parameters": parameters}}

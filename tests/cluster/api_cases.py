@@ -21,6 +21,11 @@ ENGINE = dict(dtype="float32", device="cpu", max_loras=2, max_lora_rank=32, num_
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """(loop, app, server, adapters root): one server for the module, on its own event loop."""
+    yield from open_stack(tmp_path_factory)
+
+
+def open_stack(tmp_path_factory, **server_config):
+    """The stack's generator, for a fixture of a server with other ServerConfig settings."""
     cache = tmp_path_factory.mktemp("cache")
     root = tmp_path_factory.mktemp("adapters")
     mp = pytest.MonkeyPatch()
@@ -30,7 +35,8 @@ def stack(tmp_path_factory):
 
     demo = ensure_demo_checkpoint()
     settings = SourceSettings(allowed_local_roots=[str(root), str(cache)])
-    server = LoRAServer(ServerConfig(model="demo", engine=ENGINE, default_max_tokens=8), LocalCatalog(settings))
+    server = LoRAServer(ServerConfig(model="demo", engine=ENGINE, default_max_tokens=8, **server_config),
+                        LocalCatalog(settings))
     loop.run_until_complete(server.start())
     shutil.copytree(demo.adapters["demo-sql"], root / "sql-copy")
     app = build_api(server, api_keys=None)

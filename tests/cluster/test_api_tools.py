@@ -12,7 +12,7 @@ import pytest
 from cluster.protocol import ChatMessage
 from cluster.tool_calls import template_messages, tool_plan
 from replicas.chat_template import render_chat
-from tests.cluster.api_cases import run, stack  # noqa: F401  (stack: a fixture)
+from tests.cluster.api_cases import open_stack, run, stack  # noqa: F401  (stack: a fixture)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The forecast for a city",
@@ -106,11 +106,13 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(stack, extra, param, wo
 
 def test_calls_read_back_and_messages_as_templates_read_them():
     plan = tool_plan([WEATHER, TIME], "required")
-    calls = plan.calls('[{"name":"get_time","parameters":{"zone":"UTC"}},'
-                       '{"name":"get_weather","parameters":{"city":"Oslo","days":2}}]')
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+    message = plan.message('[{"name":"get_time","parameters":{"zone":"UTC"}},'
+                           '{"name":"get_weather","parameters":{"city":"Oslo","days":2}}]')
+    assert message["content"] is None and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                           for c in message["tool_calls"]] == [
         ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "days": 2})]
-    assert plan.calls('[{"name":"get_time","parameters":{"zo') is None  # cut by max_tokens: no calls
+    cut = '[{"name":"get_time","parameters":{"zo'
+    assert plan.message(cut) == {"content": cut}  # cut by max_tokens: no calls, the text as content
     assert tool_plan([WEATHER], "required", parallel_tool_calls=False).constraint["json"]["maxItems"] == 1
     assert tool_plan([WEATHER], "none") is None and tool_plan(None, None) is None
     messages = template_messages([
@@ -121,3 +123,40 @@ def test_calls_read_back_and_messages_as_templates_read_them():
     assert messages[1] == {"role": "tool", "content": "42", "tool_call_id": "c", "name": "f"}
     template = "{% if tools %}[{{ tools | length }} tools]{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert render_chat([{"role": "user", "content": "hi"}], template, tools=[WEATHER, TIME]) == "[2 tools]hi"
+
+
+@pytest.fixture(scope="module")
+def hermes_stack(tmp_path_factory):
+    """A server that reads tool calls in Hermes' syntax (server.tool_call_parser: hermes)."""
+    yield from open_stack(tmp_path_factory, tool_call_parser="hermes")
+
+
+def test_auto_finds_the_calls_the_model_chose_to_make(hermes_stack):
+    """tool_choice "auto" (OpenAI's default with tools) on a server with a parser: the calls the output holds come
+    back as tool_calls with finish_reason "tool_calls", the text before them as content; an answer in text stays
+    text. The demo's random weights are held to each output by a one-string choice (structured_outputs)."""
+    said = ('Let me check. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>')
+
+    async def go(c):
+        def ask(text, **kw):
+            return c.chat.completions.create(**dict(CHAT, max_tokens=256), tools=[WEATHER, TIME],
+                                             extra_body={"structured_outputs": {"choice": [text]}}, **kw)
+        called = await ask(said)
+        streamed = [ch async for ch in await ask(said, stream=True)]
+        plain = await ask("It is sunny.")
+        return called, streamed, plain
+
+    called, streamed, plain = run(hermes_stack, go)
+    message = called.choices[0].message
+    assert called.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
+        ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "days": 2})]
+    deltas = [ch.choices[0] for ch in streamed if ch.choices]
+    assert "".join(d.delta.content or "" for d in deltas).strip() == "Let me check."
+    calls = [t for d in deltas for t in (d.delta.tool_calls or [])]
+    assert [(t.index, t.function.name) for t in calls] == [(0, "get_time"), (1, "get_weather")]
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert not any("<tool_call>" in (d.delta.content or "") for d in deltas)  # the call never leaked as text
+    assert plain.choices[0].message.content == "It is sunny." and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"

@@ -1,0 +1,115 @@
+"""Tool calls found in free text, for tool_choice "auto": a parser per model family's call syntax, as vLLM's
+--tool-call-parser, chosen by ServerConfig.tool_call_parser.
+
+- "hermes" (Hermes 2 Pro, Qwen2.5 and others trained on its format): calls are
+  <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks after any text; that text is the
+  message's content.
+- "llama3_json" (Llama 3.1 / 3.2 with their JSON tool calling): the whole output is a call
+  {"name": ..., "parameters": {...}}, or several separated by ";", after an optional <|python_tag|>.
+
+A parser reads a finished output (parse) and, while it streams, says how much of it is surely content
+(content_end): the rest may be the start of a call, and is held back until the output says which.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Protocol
+
+Call = tuple[str, dict[str, Any]]  # function name, arguments
+
+
+class ToolParser(Protocol):
+    def parse(self, text: str) -> tuple[str | None, list[Call]] | None:
+        """(content before the calls or None, the calls), or None where the text holds no call."""
+
+    def content_end(self, text: str) -> int:
+        """How many leading characters of a partial output are content whatever follows."""
+
+
+def _call(value: Any, arguments_key: str) -> Call | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments, strict=False)
+        except ValueError:
+            return None
+    return (value["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Characters at the end of text that could begin marker."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class HermesParser:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[Call]] | None:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return None
+        calls = []
+        for block in self._BLOCK.finditer(text, start):
+            try:
+                call = _call(json.loads(block.group(1), strict=False), "arguments")
+            except ValueError:
+                return None
+            if call is None:
+                return None
+            calls.append(call)
+        content = text[:start].strip()
+        return (content or None), calls
+
+    def content_end(self, text: str) -> int:
+        start = text.find(self.OPEN)
+        return start if start >= 0 else len(text) - _held_prefix(text, self.OPEN)
+
+
+class Llama3JsonParser:
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[Call]] | None:
+        rest = text.strip()
+        if rest.startswith(self.TAG):
+            rest = rest[len(self.TAG):].lstrip()
+        if not rest.startswith("{"):
+            return None
+        decoder, calls, at = json.JSONDecoder(strict=False), [], 0
+        while at < len(rest):
+            try:
+                value, at = decoder.raw_decode(rest, at)
+            except ValueError:
+                return None
+            call = _call(value, "parameters")
+            if call is None:
+                return None
+            calls.append(call)
+            while at < len(rest) and rest[at] in " \t\r\n;":
+                at += 1
+        return None, calls
+
+    def content_end(self, text: str) -> int:
+        rest = text.lstrip()
+        if not rest or rest.startswith("{") or self.TAG.startswith(rest[: len(self.TAG)]):
+            return 0  # a call may be what this output is: wait for it
+        return len(text)
+
+
+PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def tool_parser(name: str | None) -> ToolParser | None:
+    """The parser called name; None for None. An unknown name is a configuration error."""
+    if name is None:
+        return None
+    if name not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)} or null, got {name!r}")
+    return PARSERS[name]()

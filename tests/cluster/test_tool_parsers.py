@@ -1,0 +1,52 @@
+"""Tool-call parsers for tool_choice "auto" (cluster/tool_parsers.py): what they find in finished outputs, and
+how much of a partial one they let stream as content."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.server import ServerConfig
+from cluster.tool_parsers import HermesParser, Llama3JsonParser, tool_parser
+
+
+def test_hermes_finds_each_block_after_the_content():
+    text = ('Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}')  # the last one unclosed
+    assert HermesParser().parse(text) == ("Let me look.", [("get_time", {"zone": "UTC"}),
+                                                            ("get_weather", {"city": "Oslo"})])
+    assert HermesParser().parse("<tool_call>{}</tool_call>") is None  # no name: not a call
+    assert HermesParser().parse('<tool_call>{"name": "f", "arguments": {"a": </tool_call>') is None  # broken JSON
+    assert HermesParser().parse("No call here, <tool> is a word.") is None
+
+
+@pytest.mark.parametrize("partial, content", [
+    ("Hello", "Hello"), ("Hello <tool", "Hello "), ("Hello <", "Hello "), ("a<b", "a<b"),
+    ("Sure. <tool_call>{\"na", "Sure. "), ("", ""),
+])
+def test_hermes_streams_what_cannot_start_a_call(partial, content):
+    assert partial[: HermesParser().content_end(partial)] == content
+
+
+def test_llama3_json_reads_calls_that_make_the_whole_output():
+    parser = Llama3JsonParser()
+    assert parser.parse('{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "f", "arguments": {}}') == \
+        (None, [("get_time", {"zone": "CET"}), ("f", {})])
+    assert parser.parse('<|python_tag|>{"name": "f", "parameters": {"x": 1}}') == (None, [("f", {"x": 1})])
+    assert parser.parse("The answer is {42}.") is None
+    assert parser.parse('{"name": "f", "parameters": {"x": 1}} and then text') is None
+    assert parser.parse('{"name": "f", "parameters": {"x": ') is None  # cut
+
+
+@pytest.mark.parametrize("partial, streamed", [
+    ("", 0), ("  ", 0), ("{", 0), ('{"name"', 0), ("<|py", 0), ("<|python_tag|>{", 0), ("Hello", 5), ("<b>", 3),
+])
+def test_llama3_json_holds_back_an_output_that_may_be_a_call(partial, streamed):
+    assert Llama3JsonParser().content_end(partial) == streamed
+
+
+def test_the_parser_is_a_server_setting():
+    assert ServerConfig().tool_parser is None and isinstance(ServerConfig(tool_call_parser="hermes").tool_parser,
+                                                               HermesParser)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(tool_call_parser="nope")
+    assert tool_parser("llama3_json") is not None
