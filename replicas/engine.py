@@ -318,8 +318,9 @@ class LLMEngine:
             if state.grammar is not None:
                 constrained.append((seq, state.grammar, token))
             params = seq.sampling_params
-            hide = token in params.stop_token_ids and not params.include_stop_str_in_output
-            delta = state.detok.add_tokens([] if hide else [token])  # a stop token's text is not output
+            # A stop token's text is not output, nor EOS's where it ends the sequence (skip_special_tokens off)
+            ends = token in params.stop_token_ids or (token in seq.eos_token_ids and not params.ignore_eos)
+            delta = state.detok.add_tokens([] if ends and not params.include_stop_str_in_output else [token])
             if delta.stopped:
                 self._stop(seq, "stop", state.detok.stop_str)
             touched[seq.request_id] = seq

@@ -295,3 +295,16 @@ def test_chat_renders_each_conversation_with_the_models_template(llm, loras):
     assert tok.decode(carried.prompt_token_ids).endswith("SELECT")
     with pytest.raises(ValueError, match="add_generation_prompt"):
         llm.chat(prefilled, greedy(2), continue_final_message=True)
+
+
+def test_eos_that_ends_a_sequence_leaves_no_text_even_with_special_tokens_shown(llm):
+    """As vLLM: with skip_special_tokens off, the EOS that stops a sequence is not part of its text (unless
+    include_stop_str_in_output); an EOS that does not stop it (ignore_eos) is."""
+    eos = llm.engine.tokenizer.eos_token_id
+    forced = dict(logit_bias={eos: 100}, skip_special_tokens=False)
+    ended, kept, ignored = (llm.generate(PROMPTS[0], greedy(3, **forced, **extra))[0].outputs[0] for extra in
+                            ({}, {"include_stop_str_in_output": True}, {"ignore_eos": True}))
+    eos_text = llm.engine.tokenizer.decode([eos], skip_special_tokens=False)
+    assert ended.token_ids == [eos] and ended.finish_reason == "stop" and ended.text == ""
+    assert kept.text == eos_text
+    assert ignored.token_ids == [eos] * 3 and ignored.text == eos_text * 3
