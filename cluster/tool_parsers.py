@@ -65,7 +65,8 @@ class HermesParser:
             if call is None:
                 return None
             calls.append(call)
-        content = text[:start].strip()
+        # right-stripped only, so that the content is the text a stream has sent the start of
+        content = text[:start].rstrip()
         return (content or None), calls
 
     def content_end(self, text: str) -> int:

@@ -50,3 +50,12 @@ def test_the_parser_is_a_server_setting():
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerConfig(tool_call_parser="nope")
     assert tool_parser("llama3_json") is not None
+
+
+def test_hermes_content_is_the_streamed_text_before_the_call():
+    """A stream sends the content as it comes: the finished message's content must start with what was sent."""
+    text = '  Sure thing.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    parser = HermesParser()
+    sent = text[: parser.content_end(text[:9])]
+    content, calls = parser.parse(text)
+    assert content.startswith(sent) and content == "  Sure thing." and calls == [("f", {})]
