@@ -3,6 +3,7 @@ an adapter loaded at run time from a real S3 server (SeaweedFS), the Python hand
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -80,6 +81,14 @@ def test_models_completion_chat_streaming(serve_app):
     assert tokens["count"] == out.usage.prompt_tokens
     two = client.completions.create(model="demo-sql", prompt=["The quick brown fox", "SELECT"], max_tokens=2)
     assert [c.index for c in two.choices] == [0, 1]  # a prompt list through the replicas' handles
+    # a forced tool call: the tools and the grammar travel to the replica with the request
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+    called = client.chat.completions.create(model="demo-chat", messages=[{"role": "user", "content": "time?"}],
+                                            max_tokens=96, tools=[clock], tool_choice="required",
+                                            parallel_tool_calls=False)
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
 
 
 def test_adapter_loaded_from_s3_at_run_time(serve_app, s3_client, peft_adapter_dir):
