@@ -41,7 +41,18 @@ _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty", "n", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
                       "skip_special_tokens")
+# Repeated, map and plain bool fields: proto3 cannot tell unset from empty or false, and either means the default,
+# so only those given travel.
+_GIVEN_SAMPLING = ("stop", "stop_token_ids", "ignore_eos", "logit_bias", "allowed_token_ids", "bad_words",
+                   "include_stop_str_in_output")
 _STRUCTURED = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
+
+
+def _plain(value: Any) -> Any:
+    """A proto field's value as Python's own: a map's as a dict, a repeated field's as a list."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return dict(value) if hasattr(value, "items") else list(value)
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -98,24 +109,12 @@ def request_from_proto(msg: pb.GenerateRequest, model_name: str, default_max_tok
     for name in _OPTIONAL_SAMPLING:
         if msg.HasField(name):
             sampling[name] = getattr(msg, name)
-    if msg.stop:
-        sampling["stop"] = list(msg.stop)
-    if msg.stop_token_ids:
-        sampling["stop_token_ids"] = list(msg.stop_token_ids)
-    if msg.ignore_eos:
-        sampling["ignore_eos"] = True
-    if msg.logit_bias:
-        sampling["logit_bias"] = dict(msg.logit_bias)
-    if msg.allowed_token_ids:
-        sampling["allowed_token_ids"] = list(msg.allowed_token_ids)
-    if msg.bad_words:
-        sampling["bad_words"] = list(msg.bad_words)
-    if msg.include_stop_str_in_output:
-        sampling["include_stop_str_in_output"] = True
-    if msg.HasField("structured_outputs"):  # unset fields are proto3 defaults: only those given travel
+    for name in _GIVEN_SAMPLING:
+        if value := getattr(msg, name):
+            sampling[name] = _plain(value)
+    if msg.HasField("structured_outputs"):
         so = msg.structured_outputs
-        sampling["structured_outputs"] = {name: (list(v) if name == "choice" else v) for name in _STRUCTURED
-                                          if (v := getattr(so, name))}
+        sampling["structured_outputs"] = {name: _plain(v) for name in _STRUCTURED if (v := getattr(so, name))}
 
     model = msg.adapter or model_name
     extra = {"request_id": msg.request_id} if msg.request_id else {}

@@ -23,7 +23,7 @@ from cluster.errors import AdapterNotFoundError
 from cluster.tool_parsers import ToolParser, tool_parser
 from lora_core.request import LoRARequest
 from replicas.async_engine import AsyncLLMEngine
-from replicas.chat_template import render_chat
+from replicas.chat_template import chat_prompt_ids
 from replicas.engine import EngineArgs
 from replicas.outputs import RequestOutput
 
@@ -186,11 +186,9 @@ class LoRAServer:
         lora = None if request.model == self.model_name else await self._ensure_loaded(request.model)
         prompt = request.prompt
         if request.messages is not None:
-            tok = self.tokenizer
-            text = render_chat(request.messages, tok.chat_template, tok.bos_token, tok.eos_token,
-                               request.add_generation_prompt, tools=request.tools,
-                               continue_final_message=request.continue_final_message)
-            prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}  # the template adds BOS
+            ids = chat_prompt_ids(self.tokenizer, request.messages, request.add_generation_prompt, request.tools,
+                                  request.continue_final_message)
+            prompt = {"prompt_token_ids": ids}
         self._inflight += 1
         try:
             async for output in self.engine.generate(prompt, request.sampling, request.request_id, lora,

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from cluster.protocol import DetokenizeRequest, TokenizeRequest
 from cluster.tool_calls import template_messages
-from replicas.chat_template import render_chat
+from replicas.chat_template import chat_prompt_ids
 from replicas.errors import InvalidRequestError
 
 
@@ -26,9 +26,7 @@ def add_token_routes(app: FastAPI, backend: Any, error_response: Callable[[BaseE
             return error_response(InvalidRequestError([("prompt", "send exactly one of prompt or messages")]))
         tok = backend.tokenizer
         if body.messages is not None:
-            text = render_chat(template_messages(body.messages), tok.chat_template, tok.bos_token, tok.eos_token,
-                               body.add_generation_prompt, tools=body.tools)
-            ids = tok.encode(text, add_special_tokens=False)  # the template writes BOS itself
+            ids = chat_prompt_ids(tok, template_messages(body.messages), body.add_generation_prompt, body.tools)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         out: dict[str, Any] = {"count": len(ids), "tokens": ids}

@@ -9,6 +9,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from replicas.errors import InvalidRequestError
+from replicas.tokenizer import Tokenizer
 
 _FALLBACK = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -48,3 +49,12 @@ def render_chat(messages: list[dict[str, Any]], template: str | None, bos_token:
         raise InvalidRequestError([("continue_final_message", "the chat template does not write the last "
                                                               "message's content as given, so it cannot be continued")])
     return text[: end + len(final)]
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> list[int]:
+    """The token ids a model reads for ``messages``: rendered with its chat template (render_chat) and encoded
+    without adding special tokens again (the template writes BOS itself)."""
+    text = render_chat(messages, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
+                       add_generation_prompt, tools, continue_final_message)
+    return tokenizer.encode(text, add_special_tokens=False)

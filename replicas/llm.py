@@ -13,7 +13,7 @@ import itertools
 from typing import Any, Sequence
 
 from lora_core.request import LoRARequest
-from replicas.chat_template import render_chat
+from replicas.chat_template import chat_prompt_ids
 from replicas.engine import EngineArgs, LLMEngine
 from replicas.errors import EngineError
 from replicas.outputs import CompletionOutput, RequestOutput
@@ -67,11 +67,9 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": tok.encode(
-            render_chat(list(conversation), tok.chat_template, tok.bos_token, tok.eos_token, add_generation_prompt,
-                        tools, continue_final_message), add_special_tokens=False)}  # the template writes BOS
-            for conversation in conversations]
+        prompts = [{"prompt_token_ids": chat_prompt_ids(self.engine.tokenizer, list(conversation),
+                                                        add_generation_prompt, tools, continue_final_message)}
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, lora_request, priority)
 
     def shutdown(self) -> None:

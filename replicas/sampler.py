@@ -152,8 +152,8 @@ class Sampler:
         ids_dev = ids_dev.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids_dev
         out_counts = torch.zeros((n, vocab + 1), dtype=logits.dtype, device=device)
         out_counts = out_counts.scatter_add_(1, ids_dev, torch.ones_like(ids_dev, dtype=logits.dtype))[:, :vocab]
-        rep = _column([p.repetition_penalty for p in params], logits)
         if any(p.repetition_penalty != 1 for p in params):
+            rep = _column([p.repetition_penalty for p in params], logits)
             seen = torch.stack([s.prompt_mask(vocab, device) for s in seqs]) | (out_counts > 0)
             scaled = torch.where(logits > 0, logits / rep, logits * rep)
             logits = torch.where(seen, scaled, logits)
