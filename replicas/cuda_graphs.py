@@ -174,11 +174,15 @@ class DecodeGraphs:
         graph.replay()
         return self.logits[:n]
 
+    def _eager(self, batch: int) -> None:
+        """The padding rows' step, eagerly. Rerunning a decode step rewrites the same K/V: harmless."""
+        self._forward(self.input_ids[:batch], self.positions[:batch], self._meta(batch, (1,) * batch))
+
     def _capture(self, key: tuple, batch: int) -> torch.cuda.CUDAGraph:
         meta = self._meta(batch, (1,) * batch)
-        # One eager run first: Triton compiles, and lazily built tables and workspaces are
-        # allocated outside the graph. Rerunning a decode step rewrites the same K/V: harmless.
-        self._forward(self.input_ids[:batch], self.positions[:batch], meta)
+        # One eager run first: Triton compiles (or loads what warm-up compiled), and lazily built tables and
+        # workspaces are allocated outside the graph.
+        self._eager(batch)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self._pool):
@@ -204,3 +208,16 @@ class DecodeGraphs:
                 self._capture(key, batch)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
+
+    def run_all_eager(self, set_layout: Callable[[int, Any], None] | None,
+                      layouts: Callable[[int], dict[tuple, Any]] | None) -> None:
+        """The eager pass of every graph capture_all() would capture, capturing none (warm-up runs it
+        under replicas.triton_compile.compile_ahead, so their Triton variants compile side by side)."""
+        if not self.capture:
+            return
+        self.load([], [], [], self.max_batch)
+        seen = set(self.graphs)
+        for batch, key in layout_keys(self.sizes, set_layout, layouts, self._launch_key):
+            if key not in seen:  # each right after set_layout set its metadata
+                seen.add(key)
+                self._eager(batch)

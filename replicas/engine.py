@@ -48,6 +48,7 @@ from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from replicas.sequence import PENDING_TOKEN, Sequence
 from replicas.tokenizer import IncrementalDetokenizer, Tokenizer
+from replicas.triton_compile import compile_workers_for
 
 
 class LLMEngine:
@@ -64,6 +65,9 @@ class LLMEngine:
                                   load_format=args.load_format, max_model_len=args.max_model_len,
                                   enforce_eager=args.enforce_eager or args.cudagraph_mode == "none",
                                   piecewise_graphs=args.cudagraph_mode == "full_and_piecewise",
+                                  # decided here, for all ranks alike: their compile-only passes run collectives
+                                  compile_workers=compile_workers_for(args.compile_workers, device,
+                                                                      args.tensor_parallel_size),
                                   lora_load_processes=args.lora_load_processes,
                                   lora_load_switch_interval=args.lora_load_switch_interval,
                                   lora_host_pool=args.lora_host_pool, lora_merge_steps=args.lora_merge_steps,

@@ -40,6 +40,11 @@ class EngineArgs:
     # from whole-step graphs and steps with prompt tokens piece by piece between their attentions;
     # "full_decode_only" runs the latter eagerly; "none" is enforce_eager.
     cudagraph_mode: str = "full_and_piecewise"
+    # GPU warm-up compiles Triton's kernel variants in this many spawned processes before it launches them
+    # (replicas/triton_compile.py): a fresh node's cold start. None: as many as the cores (at most 16, split
+    # over TP ranks) when Triton's disk cache is empty, else 0 (each variant compiled, or loaded from the
+    # cache, at its first launch).
+    compile_workers: int | None = None
     # Adapter loads in this many worker processes instead of two threads, so they share no GIL with the
     # engine (replicas/lora_load_process.py; spawned without re-running your script: replicas/spawn.py).
     # None: 4 on CUDA hosts with 16+ cores (fewer with fewer) where the host pool can be shared (on Linux
@@ -90,6 +95,8 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
+        if self.compile_workers is not None and self.compile_workers < 0:
+            raise ValueError(f"compile_workers must be >= 0 (0: compile at first launch), got {self.compile_workers}")
         if self.lora_load_processes is not None and self.lora_load_processes < 0:
             raise ValueError(f"lora_load_processes must be >= 0 (0: loads on threads), got {self.lora_load_processes}")
         if self.lora_load_switch_interval < 0:

@@ -77,6 +77,7 @@ class RunnerConfig:
     # Steps with prompt tokens: replayed from CUDA graphs piece by piece (replicas/piecewise_graphs.py)
     # on GPU; False runs them eagerly (decode steps keep their graphs).
     piecewise_graphs: bool = True
+    compile_workers: int = 0  # GPU warm-up's Triton compiles in this many processes (triton_compile.py); 0: off
     lora_load_processes: int | None = None  # > 0: loads in worker processes (lora_load_process.py); None: 4 on CUDA
     lora_load_switch_interval: float = 2e-4  # GIL switch interval while loads run on threads (replicas/gil.py)
     lora_host_pool: bool = True  # host-tier adapters in blocks pinned at start-up (lora_core/pinned_pool.py)

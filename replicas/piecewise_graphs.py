@@ -128,10 +128,9 @@ class PiecewiseGraphs:
         return self.hidden[:n]
 
     def _capture(self, key: tuple, size: int) -> list[torch.cuda.CUDAGraph]:
-        # One eager pass first: Triton compiles, and lazily built workspaces are allocated outside
-        # the graphs. Pieces touch no KV cache, so this writes only the static buffers.
-        for i in range(self.num_pieces):
-            self._piece(i, size)
+        # One eager pass first: Triton compiles (or loads what warm-up compiled), and lazily built workspaces
+        # are allocated outside the graphs. Pieces touch no KV cache, so this writes only the static buffers.
+        self._eager(size)
         torch.cuda.synchronize(self.device)
         pieces = []
         for i in range(self.num_pieces):
@@ -158,3 +157,19 @@ class PiecewiseGraphs:
                 self._capture(key, size)
         torch.cuda.synchronize(self.device)
         return sum(len(p) for p in self.graphs.values())
+
+    def run_all_eager(self, set_layout: Callable[[int, Any], None] | None,
+                      layouts: Callable[[int], dict[tuple, Any]] | None) -> None:
+        """The eager pass of every size and layout capture_all() would capture, capturing none (warm-up runs
+        it under replicas.triton_compile.compile_ahead)."""
+        if not self.capture:
+            return
+        seen = set(self.graphs)
+        for size, key in layout_keys(self.sizes, set_layout, layouts, self._launch_key):
+            if key not in seen:  # each right after set_layout set its metadata
+                seen.add(key)
+                self._eager(size)
+
+    def _eager(self, size: int) -> None:
+        for i in range(self.num_pieces):
+            self._piece(i, size)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from replicas.attention import AttentionMetadata
+from replicas.triton_compile import compile_ahead
 
 if TYPE_CHECKING:
     from replicas.model_runner import ModelRunner
@@ -24,10 +25,26 @@ def warm_up(runner: "ModelRunner") -> int:
     classes (1, a multiple of 16, other: a step's sequence count is one):
     left to the first request that needs one, that costs a second or more in
     the middle of serving. Synthetic prefill-shaped steps of 1, 3 and 16
-    sequences cover them. Returns the graph count.
+    sequences cover them, and the graphs' own eager passes the rest. Both run
+    first under compile_ahead, which compiles their variants in worker
+    processes and launches nothing (replicas/triton_compile.py: a fresh
+    node's cold start); the steps and captures after it load every variant
+    from Triton's disk cache. Returns the graph count.
     """
     if runner.device.type != "cuda":
         return 0
+    with compile_ahead(runner.cfg.compile_workers) as ahead:
+        if ahead is not None:
+            synthetic_steps(runner)
+            run_graphs_eagerly(runner)
+    synthetic_steps(runner)  # for real: every variant loaded (or compiled) before traffic
+    torch.cuda.synchronize(runner.device)
+    return capture_graphs(runner)
+
+
+def synthetic_steps(runner: "ModelRunner") -> None:
+    """Prefill-shaped steps over the token counts, sequence counts and adapter counts whose kernel
+    variants differ."""
     cfg = runner.cfg
     room = min(cfg.max_num_batched_tokens, runner.num_blocks * cfg.block_size)
     counts = (0, 1, min(runner.cfg.lora_config.max_loras, 8)) if runner.punica else (0,)
@@ -37,8 +54,6 @@ def warm_up(runner: "ModelRunner") -> int:
             if seqs <= min(tokens, cfg.max_num_seqs) and fits:
                 for adapters in counts:
                     synthetic_step(runner, tokens, adapters, seqs)
-    torch.cuda.synchronize(runner.device)
-    return capture_graphs(runner)
 
 
 @torch.inference_mode()
@@ -62,17 +77,34 @@ def synthetic_step(runner: "ModelRunner", num_tokens: int, num_adapters: int, nu
     return runner.model.compute_logits(hidden.index_select(0, last)).float()
 
 
+def _layouts(runner: "ModelRunner"):
+    """(decode set_layout, decode layouts, piecewise set_layout, piecewise layouts); all None without LoRA."""
+    punica = runner.punica
+    if punica is None:
+        return None, None, None, None
+    return (punica.apply_layout, punica.decode_layouts,
+            lambda rows, layout: punica.apply_layout(rows, layout, num_sampled=1), punica.token_layouts)
+
+
+def run_graphs_eagerly(runner: "ModelRunner") -> None:
+    """Every graph's eager pass, capturing none (under compile_ahead: their variants' compiles)."""
+    decode_set, decode_layouts, piece_set, piece_layouts = _layouts(runner)
+    with torch.inference_mode():
+        if runner.decode_graphs is not None:
+            runner.decode_graphs.run_all_eager(decode_set, decode_layouts)
+        if runner.piecewise is not None:
+            runner.piecewise.run_all_eager(piece_set, piece_layouts)
+
+
 def capture_graphs(runner: "ModelRunner") -> int:
     """Capture every decode graph and piecewise graph before traffic (all TP ranks together); returns
     how many. Decode graphs cover the sampled rows' LoRA layout too; pieces stop before the LM head."""
-    punica, count = runner.punica, 0
+    decode_set, decode_layouts, piece_set, piece_layouts = _layouts(runner)
+    count = 0
     with torch.inference_mode():
         if runner.decode_graphs is not None:
-            count += runner.decode_graphs.capture_all(punica and punica.apply_layout,
-                                                    punica and punica.decode_layouts)
+            count += runner.decode_graphs.capture_all(decode_set, decode_layouts)
         if runner.piecewise is not None:
-            count += runner.piecewise.capture_all(
-                punica and (lambda rows, layout: punica.apply_layout(rows, layout, num_sampled=1)),
-                punica and punica.token_layouts)
+            count += runner.piecewise.capture_all(piece_set, piece_layouts)
     return count
 

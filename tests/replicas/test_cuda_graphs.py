@@ -60,6 +60,29 @@ def test_capture_sizes_cover_every_batch_up_to_the_max():
             assert padded < 2 * n or padded - n < 16 or n < 8
 
 
+def test_eager_passes_run_each_graph_once_under_its_own_layout():
+    """run_all_eager (warm-up's compile-ahead pass) runs every (size, launch key) capture_all would capture,
+    each right after its layout was set, and none twice; it captures nothing."""
+    from replicas.cuda_graphs import DecodeGraphs
+
+    current, ran = [None], []
+
+    def forward(ids, positions, meta):
+        ran.append((len(ids), current[0]))
+        return torch.zeros(len(ids), 8)
+
+    def set_layout(size, layout):
+        current[0] = layout
+
+    graphs = DecodeGraphs(forward, lambda: current[0][0], max_batch=4, max_blocks_per_seq=2, block_size=16,
+                          pad_block=0, vocab_size=8, device=torch.device("cpu"), capture=True)
+    # two layouts of one launch key ("bgmv") at every size: the second needs no pass of its own
+    layouts = {"a": ("bgmv", 1), "b": ("bgmv", 2), "c": ("sgmv", 3)}
+    graphs.run_all_eager(set_layout, lambda size: layouts)
+    assert ran == [(size, layout) for size in (4, 2, 1) for layout in (("bgmv", 1), ("sgmv", 3))]
+    assert graphs.graphs == {}
+
+
 def _requests(loras):
     """Mixed adapters and lengths, so the decode batch shrinks through several padded sizes."""
     names = [None, *sorted(loras), None, *sorted(loras)[:2]]
