@@ -1,6 +1,6 @@
 """ModelConfig: what the engine needs from an HF-format model directory.
 
-Reads config.json (Llama, Mistral, Qwen2 architectures) and, when present,
+Reads config.json (Llama, Mistral, Qwen2, Qwen3 architectures) and, when present,
 generation_config.json. Both the transformers v4 layout (top-level
 ``rope_theta`` + ``rope_scaling``) and the v5 one (``rope_parameters``) parse
 to the same RopeScaling.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -56,6 +56,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before the rotary embedding
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -106,7 +107,7 @@ class ModelConfig:
         theta, scaling = _rope(raw, where)
         gen = dict(generation_config or {})
         return cls(architecture=arch, model_type=model_type, **values, rope_theta=theta, rope_scaling=scaling,
-                   **_biases(raw, model_type), sliding_window=_sliding_window(raw, model_type, where),
+                   **_biases(raw, model_type), qk_norm=model_type == "qwen3", sliding_window=_sliding_window(raw, model_type, where),
                    bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
                    eos_token_ids=_token_ids(gen.get("eos_token_id", raw.get("eos_token_id"))),
                    dtype=resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"), device),
@@ -203,8 +204,9 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
 def _sliding_window(raw: dict[str, Any], model_type: str, where: str) -> int | None:
     if model_type == "mistral":
         return raw.get("sliding_window")
-    if model_type == "qwen2" and raw.get("use_sliding_window"):
-        raise ModelConfigError(f"{where}: Qwen2 per-layer sliding window attention is not supported")
+    if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        raise ModelConfigError(f"{where}: {model_type.capitalize()} per-layer sliding window attention is not "
+                               f"supported")
     return None
 
 

@@ -13,7 +13,7 @@ from replicas.models.llama import LlamaForCausalLM
 from replicas.parallel import ParallelContext
 
 MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-                  "Qwen2ForCausalLM": LlamaForCausalLM}
+                  "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

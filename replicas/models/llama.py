@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3/3.x, Mistral, Qwen2) over tensor-parallel layers and a paged KV cache.
+"""The Llama family (Llama 2/3/3.x, Mistral, Qwen2, Qwen3) over tensor-parallel layers and a paged KV cache.
 
 Module names follow HF with q/k/v packed into ``qkv_proj`` and gate/up into
 ``gate_up_proj`` (as vLLM), e.g. "model.layers.0.self_attn.qkv_proj".
@@ -40,6 +40,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.qkv_proj.num_heads * hd
         self.kv_size = self.qkv_proj.num_kv_heads * hd
         self.rotary_emb = RotaryEmbedding(hd, config.rope_theta, config.rope_scaling)
+        if config.qk_norm:  # Qwen3: one weight for every head, so each rank holds all of it
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
+        self.head_dim, self.qk_norm = hd, config.qk_norm
         self.attn = Attention(self.qkv_proj.num_heads, hd, self.qkv_proj.num_kv_heads, hd ** -0.5,
                               config.sliding_window, backend)
 
@@ -54,7 +58,24 @@ class LlamaAttention(nn.Module):
         # A LoRA qkv_proj may leave its expand to the rotary kernel, which adds it as it rotates (v in place).
         qkv, lora = forward_pending(self.qkv_proj, hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q, k, v = self._norm_heads(q, k, v, lora, row_scale)
+            lora = row_scale = None
         q, k = self.rotary_emb(positions, q, k, lora=lora, v=v, row_scale=row_scale)
+        return q, k, v
+
+    def _norm_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lora: PendingExpand | None,
+                    row_scale: RowScale | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of q and k. What the rotary kernel would have added as it read them (the
+        LoRA expand, and the input norm's 1 / rms, which the decoder layer does not defer to a qk-norm model but
+        a direct caller of project() may) goes into q, k and v first: the head norms read the finished values."""
+        if lora is not None:
+            lora.apply()  # into qkv, whose views q, k and v are
+        if row_scale is not None:
+            row_scale.apply_(q, k, v)
+        hd = self.head_dim
+        q = self.q_norm(q.contiguous().view(-1, hd)).view(q.shape)
+        k = self.k_norm(k.contiguous().view(-1, hd)).view(k.shape)
         return q, k, v
 
 
@@ -101,7 +122,9 @@ class LlamaDecoderLayer(nn.Module):
         """-> q, k, v, residual. lora: the previous layer's down_proj expand, still owed to hidden."""
         if residual is None:
             return (*self.self_attn.project(positions, self.input_layernorm(hidden)), hidden)
-        hidden, residual, scale = _norm(self.input_layernorm, hidden, residual, lora, self.self_attn.qkv_proj)
+        # Qwen3's head norms read q and k whole: the input norm then scales its rows itself
+        hidden, residual, scale = _norm(self.input_layernorm, hidden, residual, lora, self.self_attn.qkv_proj,
+                                        defer=not self.self_attn.qk_norm)
         return (*self.self_attn.project(positions, hidden, scale), residual)
 
     def attention_outputs(self, attn: torch.Tensor, residual: torch.Tensor) -> LayerOutput:
@@ -114,10 +137,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, lora: PendingExpand | None,
-          reader: nn.Module) -> tuple[torch.Tensor, torch.Tensor, RowScale | None]:
+          reader: nn.Module, defer: bool = True) -> tuple[torch.Tensor, torch.Tensor, RowScale | None]:
     """norm(x, residual, lora=lora) -> (y, h, row_scale): with an expand to add, the norm's LoRA kernel may leave
-    each row's 1 / rms to the op after `reader` (the linear layer that reads y) when that layer has no biases."""
-    if lora is not None and scales_with_input(reader):
+    each row's 1 / rms to the op after `reader` (the linear layer that reads y) when that layer has no biases
+    and defer allows it."""
+    if lora is not None and defer and scales_with_input(reader):
         return norm.forward_deferred(x, residual, lora)
     return (*norm(x, residual, lora=lora), None)
 

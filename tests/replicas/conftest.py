@@ -27,6 +27,9 @@ CHECKPOINTS = {
                                          rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "mistral_swa": ("MistralConfig", dict(num_key_value_heads=2, vocab_size=128, sliding_window=5)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, vocab_size=128)),
+    # head_dim 16 is not hidden / heads (64 / 2 = 32), as in Qwen3-0.6B (128 against 1024 / 16)
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=1, vocab_size=128, num_attention_heads=2,
+                                  tie_word_embeddings=True)),
 }
 
 # One engine-like run: each step lists (sequence, new tokens). Step 2 mixes a second prefill
@@ -52,7 +55,7 @@ def write_checkpoint(path: Path, name: str, seed: int = 0, **save_kwargs) -> Pat
     import transformers  # imported here: TP worker processes import this module and need no transformers
 
     config_cls, fields = CHECKPOINTS[name]
-    config = getattr(transformers, config_cls)(**TINY, **fields)
+    config = getattr(transformers, config_cls)(**{**TINY, **fields})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)

@@ -122,7 +122,12 @@ def test_v4_style_rope_fields_and_biases():
     assert (cfg.qkv_bias, cfg.o_proj_bias, cfg.mlp_bias, cfg.eos_token_ids, cfg.dtype) == \
         (True, True, False, (3,), torch.bfloat16)
     qwen = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": None})
-    assert (qwen.qkv_bias, qwen.o_proj_bias, qwen.rope_scaling.rope_type) == (True, False, "default")
+    assert (qwen.qkv_bias, qwen.o_proj_bias, qwen.rope_scaling.rope_type, qwen.qk_norm) == (True, False, "default",
+                                                                                           False)
+    qwen3 = ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"], "attention_bias": False})
+    assert (qwen3.model_type, qwen3.qk_norm, qwen3.qkv_bias, qwen3.o_proj_bias) == ("qwen3", True, False, False)
+    with pytest.raises(ModelConfigError, match="Qwen3 per-layer sliding window"):
+        ModelConfig.from_dict({**base, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True})
 
 
 @pytest.mark.parametrize("change,match", [

@@ -3,6 +3,8 @@
 llama3_tied: GQA with 2 kv heads split one per rank, tied vocab-parallel head.
 llama_mqa_bias: 1 kv head replicated on both ranks, o_proj/MLP biases (the
 row-parallel bias must be added once), and a vocab of 121 padded to 122.
+qwen3: 2 q heads (one per rank) over 1 replicated kv head, the per-head q/k norms
+(one weight, whole on both ranks), head_dim apart from hidden / heads.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from tests.replicas.conftest import MIXED_STEPS, build_model, run_steps, sequenc
 TP = 2
 
 
-CASES = {"llama3_tied": 1, "llama_mqa_bias": 2}  # checkpoint -> ranks holding each kv head
+# checkpoint -> (q heads per rank, ranks holding each kv head)
+CASES = {"llama3_tied": (2, 1), "llama_mqa_bias": (2, 2), "qwen3": (1, 2)}
 
 
 def _worker(rank: int, port: int, paths: dict[str, str], out_dir: str) -> None:
@@ -52,7 +55,8 @@ def test_tp2_matches_tp1(tiny_checkpoint, tp2_results, name):
     expected = run_steps(model, MIXED_STEPS, sequence_tokens(MIXED_STEPS, model.config.vocab_size))
     for rank in range(TP):
         result = torch.load(tp2_results / f"{name}-rank{rank}.pt")
-        assert result["heads"] == (2, 1, CASES[name])  # q heads, kv heads, kv replicas per rank
+        q_heads, replicas = CASES[name]
+        assert result["heads"] == (q_heads, 1, replicas)  # q heads, kv heads, kv replicas per rank
         for seq, want in expected.items():
             torch.testing.assert_close(result["logits"][seq], want, atol=1e-4, rtol=0,
                                        msg=lambda m: f"rank {rank}, sequence {seq}: {m}")
