@@ -63,6 +63,39 @@ def write_checkpoint(path: Path, name: str, seed: int = 0, **save_kwargs) -> Pat
     return path
 
 
+def peft_greedy_reference(model_dir: Path, adapters: dict[str, Path], prompts: list[str],
+                          names: list[str | None], steps: int) -> list[tuple[list[int], list[float]]]:
+    """Greedy (tokens, their logprobs) from transformers + PEFT, one request at a time; names[i] None: the base
+    model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    first, *rest = sorted(adapters)
+    model = PeftModel.from_pretrained(base, adapters[first], adapter_name=first)
+    for name in rest:
+        model.load_adapter(adapters[name], adapter_name=name)
+    results = []
+    for prompt, name in zip(prompts, names):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        tokens, logprobs = [], []
+        for _ in range(steps):
+            with torch.no_grad():
+                if name is None:
+                    with model.disable_adapter():
+                        logits = model(ids).logits[0, -1]
+                else:
+                    model.set_adapter(name)
+                    logits = model(ids).logits[0, -1]
+            lp = torch.log_softmax(logits.float(), -1)
+            tokens.append(int(lp.argmax()))
+            logprobs.append(float(lp[tokens[-1]]))
+            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
+        results.append((tokens, logprobs))
+    return results
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """tiny_checkpoint(name) -> path of that CHECKPOINTS entry, written once per session."""

@@ -9,6 +9,7 @@ from lora_core.request import LoRARequest
 from replicas.errors import InvalidRequestError
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
+from tests.replicas.conftest import peft_greedy_reference
 
 STEPS = 12
 PROMPTS = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT", "Hello world, this is"]
@@ -32,34 +33,9 @@ def batch(lora_requests):
 @pytest.fixture(scope="module")
 def hf_reference(demo, batch):
     """Greedy tokens and their logprobs from transformers + PEFT, one request at a time."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(demo.model_dir)
-    base = AutoModelForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32).eval()
-    names = sorted(demo.adapters)
-    model = PeftModel.from_pretrained(base, demo.adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(demo.adapters[name], adapter_name=name)
-    results = []
-    for prompt, lora in zip(*batch):
-        ids = tok(prompt, return_tensors="pt").input_ids
-        tokens, logprobs = [], []
-        for _ in range(STEPS):
-            with torch.no_grad():
-                if lora is None:
-                    with model.disable_adapter():
-                        logits = model(ids).logits[0, -1]
-                else:
-                    model.set_adapter(lora.lora_name)
-                    logits = model(ids).logits[0, -1]
-            lp = torch.log_softmax(logits.float(), -1)
-            token = int(lp.argmax())
-            tokens.append(token)
-            logprobs.append(float(lp[token]))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-        results.append((tokens, logprobs))
-    return results
+    prompts, loras = batch
+    return peft_greedy_reference(demo.model_dir, demo.adapters, prompts,
+                                 [lora and lora.lora_name for lora in loras], STEPS)
 
 
 def _check_against_hf(outputs, hf_reference):

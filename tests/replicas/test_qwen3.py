@@ -16,7 +16,7 @@ import torch
 from lora_core.request import LoRARequest
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
-from tests.replicas.conftest import TINY, _randomize
+from tests.replicas.conftest import TINY, _randomize, peft_greedy_reference
 
 STEPS = 8
 PROMPTS = ["The quick brown fox", "SELECT", "Once upon a time in a city far away,"]
@@ -56,37 +56,6 @@ def qwen3(demo, tmp_path_factory):
     return model_dir, adapters
 
 
-def _reference(model_dir, adapters, prompts, names):
-    """Greedy (tokens, logprobs) from transformers + PEFT, one request at a time."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    first, *rest = sorted(adapters)
-    model = PeftModel.from_pretrained(base, adapters[first], adapter_name=first)
-    for name in rest:
-        model.load_adapter(adapters[name], adapter_name=name)
-    results = []
-    for prompt, name in zip(prompts, names):
-        ids = tok(prompt, return_tensors="pt").input_ids
-        tokens, logprobs = [], []
-        for _ in range(STEPS):
-            with torch.no_grad():
-                if name is None:
-                    with model.disable_adapter():
-                        logits = model(ids).logits[0, -1]
-                else:
-                    model.set_adapter(name)
-                    logits = model(ids).logits[0, -1]
-            lp = torch.log_softmax(logits.float(), -1)
-            tokens.append(int(lp.argmax()))
-            logprobs.append(float(lp[tokens[-1]]))
-            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
-        results.append((tokens, logprobs))
-    return results
-
-
 def test_qwen3_with_adapters_matches_hf_peft(qwen3):
     model_dir, adapters = qwen3
     names = [None, "q-r4", "q-r4", "q-r8", None, "q-r8"]
@@ -95,7 +64,7 @@ def test_qwen3_with_adapters_matches_hf_peft(qwen3):
     llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=1, ignore_eos=True)
     outputs = llm.generate(prompts, params, [requests[n] if n else None for n in names])
-    want = _reference(model_dir, adapters, prompts, names)
+    want = peft_greedy_reference(model_dir, adapters, prompts, names, STEPS)
     for out, (tokens, logprobs), name in zip(outputs, want, names):
         got = out.outputs[0]
         assert out.error is None and got.token_ids == tokens, f"{name}: {got.token_ids} != {tokens}"
