@@ -159,8 +159,12 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
             sampling["structured_outputs"] = plan.constraint
         req = GenerateRequest(body.model, sampling, messages=template_messages(body.messages), priority=body.priority,
                               add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                              continue_final_message=body.continue_final_message)
-        return await _respond(req, body, ChatFormat(body, backend, plan))
+                              continue_final_message=body.continue_final_message,
+                              chat_template_kwargs=body.chat_template_kwargs)
+        reasoning = backend.reasoning_parser
+        if reasoning is not None and sampling["structured_outputs"] is not None:
+            reasoning = reasoning.opened_by_output()  # a grammar's output thinks only where it opens <think>
+        return await _respond(req, body, ChatFormat(body, backend, plan, reasoning))
 
     async def _respond(req: GenerateRequest, body: Any, fmt: Format):
         start = time.monotonic()

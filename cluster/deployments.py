@@ -129,6 +129,7 @@ class _ReplicaBackend:
         self.replicas, self.catalog = replicas, catalog
         self.model_name, self.default_max_tokens = model_name, default_max_tokens
         self.tool_parser = None  # the Ingress sets the server's (ServerConfig.tool_call_parser)
+        self.reasoning_parser = None  # ... and ServerConfig.reasoning_parser's
         self._decode = None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
@@ -203,7 +204,7 @@ class Ingress:
                                                   config.model.rstrip("/").rsplit("/", 1)[-1])
         self.backend = _ReplicaBackend(replicas, self.catalog, model_name, config.default_max_tokens)
         self.backend.lora_config = config.engine_args("unused").lora_config()
-        self.backend.tool_parser = config.tool_parser
+        self.backend.tool_parser, self.backend.reasoning_parser = config.tool_parser, config.reasoning
         if config.model == "demo":
             from replicas.demo_checkpoint import ensure_demo_checkpoint
 
@@ -216,13 +217,16 @@ class Ingress:
         return build_api(self.backend, self.api_keys, extra_metrics=self.catalog.metrics_text)
 
     async def generate(self, prompt: str | list[int] | None = None, adapter: str | None = None,
-                       messages: list[dict] | None = None, stream: bool = False, priority: int = 0, **sampling: Any):
-        """Python handle API: the final output as a dict, or (stream=True) an async iterator of them."""
+                       messages: list[dict] | None = None, stream: bool = False, priority: int = 0,
+                       chat_template_kwargs: dict | None = None, **sampling: Any):
+        """Python handle API: the final output as a dict, or (stream=True) an async iterator of them.
+        chat_template_kwargs: more variables for the chat template that renders messages."""
         model = adapter or self.backend.model_name
         sampling.setdefault("max_tokens", self.backend.default_max_tokens)
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": prompt}
-        request = GenerateRequest(model, sampling, prompt=prompt, messages=messages, priority=priority)
+        request = GenerateRequest(model, sampling, prompt=prompt, messages=messages, priority=priority,
+                                  chat_template_kwargs=chat_template_kwargs)
         outputs = self.backend.call_generate(request)
         if stream:
             return _relay(outputs)

@@ -16,6 +16,7 @@ request proto and a `grpc_context`; they delegate here. Start Serve with
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any, AsyncIterator
 
@@ -102,6 +103,14 @@ def request_from_proto(msg: pb.GenerateRequest, model_name: str, default_max_tok
             problems.append((f"messages[{i}].role", f"messages[{i}].role must be one of {_CHAT_ROLES}, got {m.role!r}"))
     if msg.HasField("max_tokens") and msg.max_tokens < 1:
         problems.append(("max_tokens", f"max_tokens must be >= 1, got {msg.max_tokens}"))
+    template_kwargs = None
+    if msg.chat_template_kwargs:
+        try:
+            template_kwargs = json.loads(msg.chat_template_kwargs)
+        except ValueError as exc:
+            problems.append(("chat_template_kwargs", f"chat_template_kwargs is not JSON: {exc}"))
+        if not msg.messages:
+            problems.append(("chat_template_kwargs", "chat_template_kwargs needs messages"))
     if problems:
         raise InvalidRequestError(problems)
 
@@ -122,7 +131,7 @@ def request_from_proto(msg: pb.GenerateRequest, model_name: str, default_max_tok
         extra["priority"] = msg.priority
     if msg.messages:
         messages = [{"role": m.role, "content": m.content} for m in msg.messages]
-        return GenerateRequest(model, sampling, messages=messages, **extra)
+        return GenerateRequest(model, sampling, messages=messages, chat_template_kwargs=template_kwargs, **extra)
     prompt: str | dict = {"prompt_token_ids": list(msg.prompt_token_ids)} if msg.prompt_token_ids else msg.prompt
     return GenerateRequest(model, sampling, prompt=prompt, **extra)
 

@@ -135,6 +135,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None  # OpenAI's functions; tool_choice decides (cluster/tool_calls.py)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
+    include_reasoning: bool = True  # vLLM's: with a reasoning parser, send the reasoning (cluster/reasoning.py)
 
     @model_validator(mode="after")
     def _one_way_to_end(self) -> "ChatCompletionRequest":
@@ -153,6 +155,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True  # for a prompt (the chat template writes its own)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # written by the template, as /v1/chat/completions renders them
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -1,7 +1,7 @@
 """OpenAI response bodies: a request's final output as one JSON body, or its deltas as SSE chunks.
 
 CompletionFormat writes /v1/completions' (text_completion: echo, legacy logprobs), ChatFormat
-/v1/chat/completions' (chat.completion and its chunks: the role first, top_logprobs, forced tool calls).
+/v1/chat/completions' (chat.completion and its chunks: the role first, top_logprobs, tool calls, reasoning).
 Both number choices i * n + j over several prompts (cluster/prompt_batch.py), count usage, and stream each
 token's logprobs with the chunk that brings it.
 """
@@ -13,6 +13,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+from cluster.reasoning import ReasoningParser
 from cluster.tool_calls import ToolPlan
 from replicas.outputs import CompletionOutput, RequestOutput
 
@@ -125,14 +126,19 @@ class ChatFormat(Format):
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl"
 
-    def __init__(self, body: Any, backend: Any, tools: ToolPlan | None = None) -> None:
+    def __init__(self, body: Any, backend: Any, tools: ToolPlan | None = None,
+                 reasoning: ReasoningParser | None = None) -> None:
         super().__init__(body, backend)
         self._started: set[int] = set()  # choices whose role went out
         # With tools (cluster/tool_calls.py): a forced call's output is JSON for tool_calls, streamed whole in the
         # choice's last chunk; under "auto" the content streams up to where a call may begin (the parser's
         # content_end), and what follows goes out in the last chunk, as calls or as content.
         self.tools = tools
-        self._sent: dict[int, int] = {}  # "auto": content characters streamed per choice
+        # With a reasoning parser (cluster/reasoning.py) the output's thinking goes out as reasoning_content
+        # (include_reasoning false: not at all), and only the answer is content, where tool calls are found.
+        self.reasoning = reasoning
+        self._sent: dict[int, int] = {}  # content characters streamed per choice
+        self._sent_reasoning: dict[int, int] = {}  # reasoning characters streamed per choice
 
     def _logprobs(self, c: CompletionOutput, new: int | None = None) -> dict | None:
         """The choice's logprobs: all, or (a stream's chunk) its last `new` tokens'."""
@@ -150,8 +156,12 @@ class ChatFormat(Format):
             content.append({**entry(token, step[token]), "top_logprobs": [entry(t, v) for t, v in top]})
         return {"content": content}
 
-    def _message(self, c: CompletionOutput) -> dict[str, Any]:
-        return self.tools.message(c.text) if self.tools is not None else {"content": c.text}
+    def _parts(self, c: CompletionOutput, finished: bool = True) -> tuple[str | None, str]:
+        """(reasoning or None, content) of the output so far."""
+        return self.reasoning.split(c.text, finished) if self.reasoning is not None else (None, c.text)
+
+    def _message(self, content: str) -> dict[str, Any]:
+        return self.tools.message(content) if self.tools is not None else {"content": content}
 
     def _finish_reason(self, c: CompletionOutput, message: dict[str, Any]) -> str | None:
         """OpenAI's "tool_calls" where the model chose to call ("auto"); a forced call ends as "stop", as in vLLM."""
@@ -159,7 +169,12 @@ class ChatFormat(Format):
         return "tool_calls" if chose and c.finish_reason == "stop" else c.finish_reason
 
     def choice(self, c: CompletionOutput) -> dict:
-        message = self._message(c)
+        reasoning, content = self._parts(c)
+        message = self._message(content)
+        if reasoning is not None:
+            message["content"] = message["content"] or None  # thought to the end, no answer (max_tokens)
+            if self.body.include_reasoning:
+                message["reasoning_content"] = reasoning
         return {"index": c.index, "message": {"role": "assistant", **message}, "logprobs": self._logprobs(c),
                 "finish_reason": self._finish_reason(c, message)}
 
@@ -169,25 +184,24 @@ class ChatFormat(Format):
             message["role"] = "assistant"
             self._started.add(c.index)
         finish_reason = c.finish_reason if finished else None
-        if self.tools is None:
-            if delta:
-                message["content"] = delta
-        else:
-            sent = self._sent.get(c.index, 0)
-            if finished:
-                whole = self._message(c)
-                finish_reason = self._finish_reason(c, whole)
-                calls = whole.get("tool_calls")
-                rest = (whole["content"] or "")[sent:] if calls else c.text[sent:]
-                if rest:
-                    message["content"] = rest
-                if calls:
-                    message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-            elif self.tools.parser is not None:  # "auto": the text that cannot be a call's start yet
-                end = self.tools.parser.content_end(c.text)
-                if end > sent:
-                    message["content"] = c.text[sent:end]
-                    self._sent[c.index] = end
+        reasoning, content = self._parts(c, finished)
+        if reasoning is not None and self.body.include_reasoning:
+            sent = self._sent_reasoning.get(c.index, 0)
+            if len(reasoning) > sent:
+                message["reasoning_content"] = reasoning[sent:]
+                self._sent_reasoning[c.index] = len(reasoning)
+        sent, end = self._sent.get(c.index, 0), len(content)
+        if self.tools is not None and finished:
+            whole = self._message(content)
+            finish_reason = self._finish_reason(c, whole)
+            if whole.get("tool_calls"):
+                message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(whole["tool_calls"])]
+                content, end = whole["content"] or "", len(whole["content"] or "")
+        elif self.tools is not None:  # a forced call goes out whole at the end; "auto" holds back a call's start
+            end = self.tools.parser.content_end(content) if self.tools.parser is not None else sent
+        if end > sent:
+            message["content"] = content[sent:end]
+            self._sent[c.index] = end
         logprobs = self._logprobs(c, len(new_ids)) if self.tools is None and new_ids else None
         if not message and not finished and not logprobs:
             return None

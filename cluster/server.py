@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Protocol
 
 from cluster.errors import AdapterNotFoundError
+from cluster.reasoning import ReasoningParser, reasoning_parser
 from cluster.tool_parsers import ToolParser, tool_parser
 from lora_core.request import LoRARequest
 from replicas.async_engine import AsyncLLMEngine
@@ -51,9 +52,14 @@ class ServerConfig:
     # The model family's tool-call syntax, for chat's tool_choice "auto": "hermes" or "llama3_json"
     # (cluster/tool_parsers.py); None refuses "auto".
     tool_call_parser: str | None = None
+    # The model family's thinking syntax, returned apart as reasoning_content: "deepseek_r1" or "qwen3"
+    # (cluster/reasoning.py); None: the whole output is content.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
-        self.tool_parser = tool_parser(self.tool_call_parser)  # an unknown name fails the deployment's start
+        # an unknown name fails the deployment's start
+        self.tool_parser = tool_parser(self.tool_call_parser)
+        self.reasoning = reasoning_parser(self.reasoning_parser)
 
     def engine_args(self, model_dir: str) -> EngineArgs:
         args = dict(enable_lora=True, max_loras=4, max_lora_rank=64)
@@ -74,6 +80,7 @@ class GenerateRequest:
     priority: int = 0  # lower first, where the engine's scheduling_policy is "priority"
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, for the chat template
     continue_final_message: bool = False  # chat: the last message carried on (replicas/chat_template.py)
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: more template variables (Qwen3's enable_thinking)
 
 
 class LoRAServer:
@@ -187,7 +194,7 @@ class LoRAServer:
         prompt = request.prompt
         if request.messages is not None:
             ids = chat_prompt_ids(self.tokenizer, request.messages, request.add_generation_prompt, request.tools,
-                                  request.continue_final_message)
+                                  request.continue_final_message, request.chat_template_kwargs)
             prompt = {"prompt_token_ids": ids}
         self._inflight += 1
         try:
@@ -230,6 +237,10 @@ class LoRAServer:
     @property
     def tool_parser(self) -> ToolParser | None:
         return self.config.tool_parser
+
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        return self.config.reasoning
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

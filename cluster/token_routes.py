@@ -26,7 +26,11 @@ def add_token_routes(app: FastAPI, backend: Any, error_response: Callable[[BaseE
             return error_response(InvalidRequestError([("prompt", "send exactly one of prompt or messages")]))
         tok = backend.tokenizer
         if body.messages is not None:
-            ids = chat_prompt_ids(tok, template_messages(body.messages), body.add_generation_prompt, body.tools)
+            try:
+                ids = chat_prompt_ids(tok, template_messages(body.messages), body.add_generation_prompt, body.tools,
+                                      template_kwargs=body.chat_template_kwargs)
+            except InvalidRequestError as exc:  # the template's own checks, or a bad chat_template_kwargs
+                return error_response(exc)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         out: dict[str, Any] = {"count": len(ids), "tokens": ids}

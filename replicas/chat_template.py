@@ -27,16 +27,25 @@ def _raise(message: str) -> None:
     raise InvalidRequestError([("messages", message)])
 
 
+# What render_chat passes itself: chat_template_kwargs may not replace them.
+RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception")
+
+
 def render_chat(messages: list[dict[str, Any]], template: str | None, bos_token: str | None = None,
                 eos_token: str | None = None, add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
+                tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text for ``messages`` (and OpenAI's ``tools``, for templates that write them, as
     transformers' apply_chat_template passes them); a template's own checks become InvalidRequestError (400).
 
     continue_final_message (vLLM's and transformers'): the text stops right after the last message's content,
-    without the end of its turn, so that the model carries that message on (a "prefilled" answer)."""
+    without the end of its turn, so that the model carries that message on (a "prefilled" answer).
+    template_kwargs (vLLM's chat_template_kwargs): more variables for the template, such as Qwen3's
+    enable_thinking; none may be one of RESERVED."""
+    extra = check_template_kwargs(template_kwargs)
     try:
-        text = _compile(template or _FALLBACK).render(messages=messages, add_generation_prompt=add_generation_prompt,
+        text = _compile(template or _FALLBACK).render(**extra, messages=messages,
+                                                      add_generation_prompt=add_generation_prompt,
                                                       bos_token=bos_token or "", eos_token=eos_token or "",
                                                       tools=tools)
     except jinja2.TemplateError as exc:
@@ -51,10 +60,25 @@ def render_chat(messages: list[dict[str, Any]], template: str | None, bos_token:
     return text[: end + len(final)]
 
 
+def check_template_kwargs(template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs as render_chat passes them ({} for None); InvalidRequestError for a name it
+    passes itself or one that is not a string."""
+    if template_kwargs is None:
+        return {}
+    if not isinstance(template_kwargs, dict):
+        raise InvalidRequestError([("chat_template_kwargs", "must be an object of template variables")])
+    bad = sorted(str(k) for k in template_kwargs if not isinstance(k, str) or k in RESERVED)
+    if bad:
+        raise InvalidRequestError([("chat_template_kwargs", f"{', '.join(bad)}: set by the request's own fields "
+                                                            f"(messages, tools, add_generation_prompt), not here")])
+    return dict(template_kwargs)
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The token ids a model reads for ``messages``: rendered with its chat template (render_chat) and encoded
     without adding special tokens again (the template writes BOS itself)."""
     text = render_chat(messages, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
-                       add_generation_prompt, tools, continue_final_message)
+                       add_generation_prompt, tools, continue_final_message, template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -60,15 +60,18 @@ class LLM:
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
-             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: int | Sequence[int] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, each
-        rendered with the model's chat template (replicas/chat_template.py; OpenAI's tools passed to it), then
-        generated as generate() would. continue_final_message: the last message is carried on, not answered."""
+        rendered with the model's chat template (replicas/chat_template.py; OpenAI's tools and
+        chat_template_kwargs passed to it), then generated as generate() would. continue_final_message: the last
+        message is carried on, not answered."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": chat_prompt_ids(self.engine.tokenizer, list(conversation),
-                                                        add_generation_prompt, tools, continue_final_message)}
+                                                        add_generation_prompt, tools, continue_final_message,
+                                                        chat_template_kwargs)}
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, lora_request, priority)
 

@@ -212,8 +212,14 @@ def test_request_from_proto():
                                                          "skip_special_tokens": False, "include_stop_str_in_output": True}
     req = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")]), "base", 16)
     assert req.messages == [{"role": "user", "content": "x"}] and req.prompt is None
+    assert req.chat_template_kwargs is None
+    chat = [pb.ChatMessage(role="user", content="x")]
+    msg = pb.GenerateRequest(messages=chat, chat_template_kwargs='{"enable_thinking": false}')
+    assert request_from_proto(msg, "base", 16).chat_template_kwargs == {"enable_thinking": False}
     for bad, field in [(pb.GenerateRequest(), "prompt"), (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt"),
                        (pb.GenerateRequest(prompt="a", max_tokens=0), "max_tokens"),
+                       (pb.GenerateRequest(messages=chat, chat_template_kwargs="{"), "chat_template_kwargs"),
+                       (pb.GenerateRequest(prompt="a", chat_template_kwargs="{}"), "chat_template_kwargs"),
                        (pb.GenerateRequest(messages=[pb.ChatMessage(role="robot", content="x")]), "messages[0].role")]:
         with pytest.raises(InvalidRequestError) as err:
             request_from_proto(bad, "base", 16)

@@ -297,6 +297,20 @@ def test_chat_renders_each_conversation_with_the_models_template(llm, loras):
         llm.chat(prefilled, greedy(2), continue_final_message=True)
 
 
+def test_chat_template_kwargs_are_the_templates_variables(llm, monkeypatch):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, say) reach the template; a name the call sets
+    itself is refused."""
+    tok = llm.engine.tokenizer
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                              "{% if enable_thinking is defined and not enable_thinking %}!{% endif %}")
+    one = [{"role": "user", "content": "Write a query"}]
+    thinking, quiet = (llm.chat(one, greedy(1), chat_template_kwargs=kw)[0] for kw in (None, {"enable_thinking": False}))
+    assert thinking.prompt_token_ids == tok.encode("Write a query", add_special_tokens=False)
+    assert quiet.prompt_token_ids == tok.encode("Write a query!", add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt"):
+        llm.chat(one, greedy(1), chat_template_kwargs={"add_generation_prompt": False})
+
+
 def test_eos_that_ends_a_sequence_leaves_no_text_even_with_special_tokens_shown(llm):
     """As vLLM: with skip_special_tokens off, the EOS that stops a sequence is not part of its text (unless
     include_stop_str_in_output); an EOS that does not stop it (ignore_eos) is."""
