@@ -157,6 +157,8 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
             return error_response(exc)
         if plan is not None and plan.constraint is not None:
             sampling["structured_outputs"] = plan.constraint
+        if plan is not None and plan.parser is not None and plan.parser.needs_special_tokens:
+            sampling["skip_special_tokens"] = False  # the parser reads a special token (mistral's [TOOL_CALLS])
         req = GenerateRequest(body.model, sampling, messages=template_messages(body.messages), priority=body.priority,
                               add_generation_prompt=body.add_generation_prompt, tools=body.tools,
                               continue_final_message=body.continue_final_message,

@@ -20,15 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.tool_parsers import held_prefix
+
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, tag: str) -> int:
-    """How many of text's last characters may be the start of tag (kept back from a stream until known)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 @dataclass(frozen=True)
@@ -52,7 +46,7 @@ class ReasoningParser:
         end = body.find(END)
         if end >= 0:  # the answer without the blank lines that set it off
             return body[:end], body[end + len(END):].lstrip()
-        return (body if finished else body[: len(body) - _held(body, END)]), ""
+        return (body if finished else body[: len(body) - held_prefix(body, END)]), ""
 
     def opened_by_output(self) -> "ReasoningParser":
         """This parser for an output that starts outside any thinking (a grammar wrote it)."""

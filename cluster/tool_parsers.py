@@ -6,6 +6,11 @@
   message's content.
 - "llama3_json" (Llama 3.1 / 3.2 with their JSON tool calling): the whole output is a call
   {"name": ..., "parameters": {...}}, or several separated by ";", after an optional <|python_tag|>.
+- "mistral" (Mistral 7B Instruct v0.3, Mistral Nemo, Mistral Small / Large): the calls follow the special
+  token [TOOL_CALLS], as a JSON array of {"name": ..., "arguments": {...}}, or (tokenizer v11 and later:
+  Mistral Small 3.2, Magistral) as name[ARGS]{...} after a [TOOL_CALLS] each. A special token is left out
+  of the text by default, so the server keeps them in the text of a request this parser reads
+  (needs_special_tokens).
 
 A parser reads a finished output (parse) and, while it streams, says how much of it is surely content
 (content_end): the rest may be the start of a call, and is held back until the output says which.
@@ -21,6 +26,8 @@ Call = tuple[str, dict[str, Any]]  # function name, arguments
 
 
 class ToolParser(Protocol):
+    needs_special_tokens: bool  # the syntax holds a special token: keep them in the text (skip_special_tokens off)
+
     def parse(self, text: str) -> tuple[str | None, list[Call]] | None:
         """(content before the calls or None, the calls), or None where the text holds no call."""
 
@@ -40,7 +47,7 @@ def _call(value: Any, arguments_key: str) -> Call | None:
     return (value["name"], arguments) if isinstance(arguments, dict) else None
 
 
-def _held_prefix(text: str, marker: str) -> int:
+def held_prefix(text: str, marker: str) -> int:
     """Characters at the end of text that could begin marker."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):
@@ -50,6 +57,7 @@ def _held_prefix(text: str, marker: str) -> int:
 
 class HermesParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    needs_special_tokens = False  # in Qwen's vocabularies <tool_call> is an added token that is not special
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[Call]] | None:
@@ -71,11 +79,12 @@ class HermesParser:
 
     def content_end(self, text: str) -> int:
         start = text.find(self.OPEN)
-        return start if start >= 0 else len(text) - _held_prefix(text, self.OPEN)
+        return start if start >= 0 else len(text) - held_prefix(text, self.OPEN)
 
 
 class Llama3JsonParser:
-    TAG = "<|python_tag|>"
+    TAG = "<|python_tag|>"  # special, and optional: the parser reads the JSON with or without it
+    needs_special_tokens = False
 
     def parse(self, text: str) -> tuple[str | None, list[Call]] | None:
         rest = text.strip()
@@ -104,7 +113,45 @@ class Llama3JsonParser:
         return len(text)
 
 
-PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class MistralParser:
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    needs_special_tokens = True  # [TOOL_CALLS] is one
+
+    def parse(self, text: str) -> tuple[str | None, list[Call]] | None:
+        start = text.find(self.TAG)
+        if start < 0:
+            return None
+        calls: list[Call] = []
+        for piece in (p.strip() for p in text[start:].split(self.TAG)):
+            if not piece:
+                continue
+            if self.ARGS in piece:  # name[ARGS]{...}
+                name, _, arguments = piece.partition(self.ARGS)
+                try:
+                    found = [_call({"name": name.strip(), "arguments": json.loads(arguments, strict=False)},
+                                   "arguments")]
+                except ValueError:
+                    return None
+            else:  # [{"name": ..., "arguments": ...}, ...]
+                try:
+                    value = json.loads(piece, strict=False)
+                except ValueError:
+                    return None
+                found = [_call(item, "arguments") for item in (value if isinstance(value, list) else [value])]
+            if None in found:
+                return None
+            calls += found
+        if not calls:
+            return None
+        content = text[:start].rstrip()  # right-stripped only: a stream has sent its start
+        return (content or None), calls
+
+    def content_end(self, text: str) -> int:
+        start = text.find(self.TAG)
+        return start if start >= 0 else len(text) - held_prefix(text, self.TAG)
+
+
+PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
 
 
 def tool_parser(name: str | None) -> ToolParser | None:

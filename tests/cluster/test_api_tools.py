@@ -160,3 +160,33 @@ def test_auto_finds_the_calls_the_model_chose_to_make(hermes_stack):
     assert not any("<tool_call>" in (d.delta.content or "") for d in deltas)  # the call never leaked as text
     assert plain.choices[0].message.content == "It is sunny." and plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def mistral_stack(tmp_path_factory):
+    """A server that reads tool calls in Mistral's syntax (server.tool_call_parser: mistral)."""
+    yield from open_stack(tmp_path_factory, tool_call_parser="mistral")
+
+
+def test_mistral_calls_are_read_with_special_tokens_kept(mistral_stack, monkeypatch):
+    """[TOOL_CALLS] is a special token in Mistral's vocabularies, so the chat route keeps special tokens in the text
+    of an "auto" request (what the engine receives); the calls after it come back as tool_calls."""
+    server = mistral_stack[2]
+    seen = []
+    generate = server.generate
+    monkeypatch.setattr(server, "generate", lambda request: seen.append(request) or generate(request))
+    said = 'Checking.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]'
+
+    async def go(c):
+        called = await c.chat.completions.create(**dict(CHAT, max_tokens=128), tools=[WEATHER, TIME],
+                                                 extra_body={"structured_outputs": {"choice": [said]}})
+        plain = await c.chat.completions.create(**CHAT)
+        return called, plain
+
+    called, plain = run(mistral_stack, go)
+    message = called.choices[0].message
+    assert called.choices[0].finish_reason == "tool_calls" and message.content == "Checking."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
+        ("get_time", {"zone": "UTC"})]
+    assert seen[0].sampling["skip_special_tokens"] is False
+    assert seen[1].sampling.get("skip_special_tokens") in (None, True)  # no tools: as the client left it

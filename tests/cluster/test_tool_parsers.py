@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.server import ServerConfig
-from cluster.tool_parsers import HermesParser, Llama3JsonParser, tool_parser
+from cluster.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, tool_parser
 
 
 def test_hermes_finds_each_block_after_the_content():
@@ -42,6 +42,26 @@ def test_llama3_json_reads_calls_that_make_the_whole_output():
 ])
 def test_llama3_json_holds_back_an_output_that_may_be_a_call(partial, streamed):
     assert Llama3JsonParser().content_end(partial) == streamed
+
+
+def test_mistral_reads_both_of_its_formats_after_the_special_token():
+    parser = MistralParser()
+    v3 = 'Checking.[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "f", "arguments": {}}]'
+    assert parser.parse(v3) == ("Checking.", [("get_time", {"zone": "UTC"}), ("f", {})])
+    v11 = '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+    assert parser.parse(v11) == (None, [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo"})])
+    assert parser.parse('[TOOL_CALLS]{"name": "f", "arguments": "{\\"x\\": 1}"}') == (None, [("f", {"x": 1})])
+    assert parser.parse("No calls, [TOOL] is text.") is None
+    assert parser.parse('[TOOL_CALLS][{"name": "f", "arguments": {"x": ') is None  # cut by max_tokens
+    assert parser.parse("[TOOL_CALLS]f[ARGS]{oops}") is None and parser.parse("[TOOL_CALLS]") is None
+    assert parser.needs_special_tokens and not HermesParser().needs_special_tokens
+
+
+@pytest.mark.parametrize("partial, content", [
+    ("Hello", "Hello"), ("Hello [TOOL", "Hello "), ("Hi [", "Hi "), ("[x]", "[x]"), ("So.[TOOL_CALLS][{", "So."),
+])
+def test_mistral_streams_what_cannot_start_a_call(partial, content):
+    assert partial[: MistralParser().content_end(partial)] == content
 
 
 def test_the_parser_is_a_server_setting():
