@@ -32,6 +32,7 @@ class Phases:
         self.current = "build"
         self.graphs = 0
         self.workers = (0, 0)  # variants sent to compile_ahead's processes, variants it left to this one
+        self.dry_steps = 0.0  # of the compile-ahead pass: its steps, launching nothing (then it waits)
 
     @contextmanager
     def phase(self, name: str):
@@ -67,9 +68,11 @@ def instrument(phases: Phases) -> None:
     def ahead(workers):
         with phases.phase("compile-ahead pass"):
             with original_ahead(workers) as scope:
+                start = time.perf_counter()
                 yield scope
-                if scope is not None:
+                if scope is not None:  # the rest of the pass waits for the workers
                     phases.workers = (len(scope.futures), scope.skipped)
+                    phases.dry_steps = time.perf_counter() - start
     warm_up.compile_ahead = ahead
     original_steps = warm_up.synthetic_steps
 
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, seconds in rows:
         times = phases.compiles.get(name if not name.startswith("rest") else "engine", [])
         print(f"{name:22} {seconds:7.1f} {len(times):9d} {sum(times):10.1f}")
+        if name == "compile-ahead pass" and phases.workers[0]:
+            print(f"{'  its steps (dry)':22} {phases.dry_steps:7.1f}")
     engine.shutdown()
 
 
