@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     from bench.engine_workload import LLAMA3_8B, write_model_dir
     from replicas.engine import EngineArgs, LLMEngine
 
+    if not torch.cuda.is_available():
+        sys.exit("bench/warm_up.py times a GPU warm-up (on CPU the engine compiles and captures nothing)")
     phases = Phases()
     instrument(phases)
     overrides = {k: _value(v) for k, v in (item.split("=", 1) for item in a.variant)}
