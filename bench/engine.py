@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, TINY, AdapterPools, Recorder, Request,  # noqa: E402
+from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, QWEN3_8B, TINY, AdapterPools, Recorder, Request,  # noqa: E402
                                    adapter_bytes, assign_adapters, copy_bandwidth, drive, kv_bytes_per_token,
                                    make_requests, summarize, weight_bytes, write_model_dir)
 from bench.triton_compiles import CompileLog  # noqa: E402
@@ -260,9 +260,13 @@ def hf_rows(a, work: Path, dtype: torch.dtype, emit) -> None:
     emit(dict(scenario="ours-distinct", rank=16, registered=n, tok_s=tok_s, x_hf=tok_s / hf))
 
 
+MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny model and lengths: the whole run on CPU in < 1 min")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b", help="the model's shape (without --tiny)")
     p.add_argument("--scenarios", default="all", help="comma-separated names or globs (e.g. 'base,*-r16,hf')")
     p.add_argument("--out", default=None, help="CSV directory (default $OUT, else bench/out)")
     p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         or getattr(torch, a.dtype)
     a.dtype = str(dtype).removeprefix("torch.")
     esize = torch.empty((), dtype=dtype).element_size()
-    shape = TINY if a.tiny else LLAMA3_8B
+    shape = TINY if a.tiny else MODELS[a.model]
     out_dir = Path(a.out or os.environ.get("OUT") or Path(__file__).parent / "out")
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / ("engine_tiny.csv" if a.tiny else "engine.csv")
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device {name}  copy bandwidth {bw / 1e12:.3f} TB/s (read+write)  {a.dtype}  tp {a.tp}\n"
-          f"model {'tiny' if a.tiny else 'Llama-3-8B shape'}  requests {a.num_requests}  "
+          f"model {'tiny' if a.tiny else a.model + ' shape'}  requests {a.num_requests}  "
           + (f"Poisson {a.rate}/s" if a.rate else f"closed loop {a.concurrency}")
           + f"  in {a.input_len}  out {a.output_len}  max_loras {a.max_loras}  "
           f"max_cpu_loras {a.max_cpu_loras or 2 * a.max_loras}  ranks {a.ranks}", flush=True)

@@ -40,6 +40,10 @@ LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
 LLAMA32_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                   tie_word_embeddings=True)
+# Qwen3-8B: its per-head q/k norms (replicas/models/llama.py), head_dim given (here equal to hidden / heads)
+QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
