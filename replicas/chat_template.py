@@ -1,11 +1,22 @@
-"""Chat prompts: the tokenizer's own chat template (Jinja), or a plain fallback when it has none."""
+"""Chat prompts: the tokenizer's own chat template (Jinja), or a plain fallback when it has none.
+
+Templates are written for transformers' apply_chat_template, so they render in the environment it builds:
+its `tojson` (json.dumps, non-ASCII kept and nothing HTML-escaped: Jinja's own writes ' as \\u0027 and takes
+no ensure_ascii), `strftime_now` (Llama 3.1 / 3.2 write today's date into the system turn, else a fixed
+one), `{% break %}` / `{% continue %}`, and `{% generation %}` blocks (they mark the assistant's tokens for
+training masks; here their text is simply rendered).
+"""
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from replicas.errors import InvalidRequestError
@@ -15,11 +26,32 @@ _FALLBACK = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{%
              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
+class _Generation(Extension):
+    """{% generation %}...{% endgeneration %}: the body, rendered as it stands."""
+
+    tags = {"generation"}
+
+    def parse(self, parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
     # Templates come with model files: render them sandboxed, as transformers does.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _Generation])
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
 
 
