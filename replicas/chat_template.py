@@ -109,8 +109,10 @@ def check_template_kwargs(template_kwargs: dict[str, Any] | None) -> dict[str, A
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """The token ids a model reads for ``messages``: rendered with its chat template (render_chat) and encoded
-    without adding special tokens again (the template writes BOS itself)."""
-    text = render_chat(messages, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
+    """The token ids a model reads for ``messages``: rendered with its chat template (render_chat; with tools,
+    its "tool_use" template where it has one, as transformers picks) and encoded without adding special tokens
+    again (the template writes BOS itself)."""
+    template = tokenizer.tool_use_template if tools and tokenizer.tool_use_template else tokenizer.chat_template
+    text = render_chat(messages, template, tokenizer.bos_token, tokenizer.eos_token,
                        add_generation_prompt, tools, continue_final_message, template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -41,7 +41,7 @@ class Tokenizer:
     """Encode / decode for one model, with its special tokens and chat template."""
 
     def __init__(self, tokenizer: _HFTokenizer, config: dict[str, Any] | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, tool_use_template: str | None = None) -> None:
         config = config or {}
         self._tok = tokenizer
         self.bos_token = _token_content(config.get("bos_token"))
@@ -52,6 +52,8 @@ class Tokenizer:
         self.eos_token_id = self.token_to_id(self.eos_token)
         self.pad_token_id = self.token_to_id(self.pad_token)
         self.chat_template = chat_template
+        # a second template for requests with tools (Hermes 2 Pro, Command R): transformers picks it then
+        self.tool_use_template = tool_use_template
         self.model_max_length = config.get("model_max_length")
         if "add_bos_token" in config or "add_eos_token" in config:
             self._set_bos_eos(bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False)))
@@ -68,7 +70,7 @@ class Tokenizer:
         except Exception as exc:  # the Rust side raises a bare Exception
             raise TokenizerError(f"{path}: cannot be loaded ({exc})") from exc
         config = _read_json(model_dir / "tokenizer_config.json")
-        return cls(tok, config, _chat_template(model_dir, config))
+        return cls(tok, config, *_chat_templates(model_dir, config))
 
     def _set_bos_eos(self, add_bos: bool, add_eos: bool) -> None:
         """What Llama/Mistral tokenizer configs ask with add_bos_token / add_eos_token (transformers does the same)."""
@@ -122,16 +124,20 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
-    """tokenizer_config.json's chat_template (a string, or a list of named ones), else chat_template.jinja."""
+def _chat_templates(model_dir: Path, config: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(the default chat template, the "tool_use" one or None): tokenizer_config.json's chat_template (a string,
+    or a list of named ones), else chat_template.jinja and additional_chat_templates/tool_use.jinja (the files
+    transformers >= 4.54 saves them in)."""
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        return named.get("default"), named.get("tool_use")
     if isinstance(template, str):
-        return template
-    jinja = model_dir / "chat_template.jinja"
-    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+        return template, None
+
+    def read(path: Path) -> str | None:
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    return read(model_dir / "chat_template.jinja"), read(model_dir / "additional_chat_templates" / "tool_use.jinja")
 
 
 class Delta(NamedTuple):

@@ -57,3 +57,27 @@ def test_strftime_now_writes_todays_date():
 def test_a_templates_own_check_is_a_request_error():
     with pytest.raises(InvalidRequestError, match="roles must alternate"):
         render_chat(MESSAGES, "{{ raise_exception('roles must alternate') }}")
+
+
+def test_requests_with_tools_take_the_tool_use_template_as_transformers_does(demo, tmp_path):
+    """A tokenizer with named templates (Hermes 2 Pro's "default" and "tool_use"): a request with tools renders
+    with "tool_use", one without with "default", as transformers' apply_chat_template picks them."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from replicas.chat_template import chat_prompt_ids
+    from replicas.tokenizer import Tokenizer
+
+    config = json.loads((demo.model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+                               {"name": "tool_use", "template": "{{ tools | length }} tools: "
+                                                                "{% for m in messages %}{{ m.content }}{% endfor %}"}]
+    shutil.copy(demo.model_dir / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, hf = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    chat = [{"role": "user", "content": "hello"}]
+    for tools in (None, TOOLS):
+        want = hf.apply_chat_template(chat, tools=tools, tokenize=False)
+        assert chat_prompt_ids(ours, chat, tools=tools) == ours.encode(want, add_special_tokens=False)
+        assert want == ("1 tools: hello" if tools else "hello")

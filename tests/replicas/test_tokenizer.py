@@ -89,12 +89,15 @@ def test_config_variants(demo, tmp_path):
         "add_eos_token": True, "chat_template": [{"name": "tool_use", "template": "T"},
                                                  {"name": "default", "template": "D"}]}))
     tok = Tokenizer.from_pretrained(tmp_path)
-    assert tok.bos_token_id == 1 and tok.chat_template == "D"
+    assert tok.bos_token_id == 1 and (tok.chat_template, tok.tool_use_template) == ("D", "T")
     assert tok.encode("Hello") == tok.encode("Hello", add_special_tokens=False) + [tok.eos_token_id]
     (tmp_path / "tokenizer_config.json").write_text("{}")
     (tmp_path / "chat_template.jinja").write_text("J")
     tok = Tokenizer.from_pretrained(tmp_path)
-    assert tok.chat_template == "J" and tok.bos_token_id is None
+    assert (tok.chat_template, tok.tool_use_template) == ("J", None) and tok.bos_token_id is None
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("TJ")
+    assert Tokenizer.from_pretrained(tmp_path).tool_use_template == "TJ"
     assert tok.encode("Hello")[0] == 1  # tokenizer.json's own post-processor still applies
 
 
