@@ -9,9 +9,9 @@ else over the sorted vocabulary). Logprobs are taken from the raw model logits
 (log_softmax before any penalty or temperature), as vLLM returns them by
 default.
 
-A seeded request draws from its own torch.Generator, noise over its own
-candidates at every step, so its tokens do not depend on which other requests
-share the batch.
+A seeded request's noise is a hash of its seed, the draw's number and the
+column (replicas/seeded_noise.py: one launch for every seeded row), so its
+tokens do not depend on which other requests share the batch.
 
 Nothing here waits for the GPU: with async scheduling the sampler's kernels
 are queued behind a step that is still running, and the host must go on to
@@ -33,6 +33,7 @@ import torch
 
 from replicas.grammar import apply_token_masks
 from replicas.sampling_params import SamplingParams
+from replicas.seeded_noise import exponentials, key_pairs
 from replicas.sequence import Sequence
 
 
@@ -223,7 +224,7 @@ class Sampler:
             beyond = (probs.cumsum(dim=-1) - probs) >= _column([p.top_p for p in params], probs)
             beyond[:, 0].fill_(False)  # the most likely token always survives
             values = values.masked_fill(beyond, -math.inf)
-        choice = _gumbel_argmax(values.softmax(dim=-1), seqs, top_k)
+        choice = _gumbel_argmax(values.softmax(dim=-1), seqs)
         return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
     @staticmethod
@@ -241,7 +242,7 @@ class Sampler:
         if any(top_k) or any(p < 1 for p in top_p):
             logits = _apply_top_k_top_p(logits, top_k, top_p)
 
-        return _gumbel_argmax(logits.softmax(dim=-1), seqs, [logits.shape[1]] * len(seqs))
+        return _gumbel_argmax(logits.softmax(dim=-1), seqs)
 
     @staticmethod
     def _logprobs(
@@ -275,20 +276,20 @@ class Sampler:
         return read
 
 
-def _gumbel_argmax(probs: torch.Tensor, seqs: Seq[Sequence], widths: list[int]) -> torch.Tensor:
-    """A draw from each row of probs: argmax(p / q) with q ~ Exp(1). A seeded row's noise covers its own first
-    widths[i] columns (the rest are zeros of p), so its draws do not depend on the rows beside it."""
-    q = torch.ones_like(probs)
-    unseeded = []
-    for i, (seq, width) in enumerate(zip(seqs, widths)):
-        gen = seq.generator(probs.device)
-        if gen is None:
-            unseeded.append(i)
-        else:
-            q[i, :width].exponential_(generator=gen)
-    if unseeded:
-        idx = _on(unseeded, torch.long, probs.device)
-        q[idx] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+def _gumbel_argmax(probs: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """A draw from each row of probs: argmax(p / q) with q ~ Exp(1). A seeded row's q is a hash of its seed,
+    its draw's number and the column (replicas/seeded_noise.py, one launch for all of them), so its draws do
+    not depend on the rows beside it."""
+    keys = [seq.take_noise_key() for seq in seqs]
+    seeded = [i for i, key in enumerate(keys) if key is not None]
+    pairs = key_pairs([keys[i] for i in seeded])
+    if len(seeded) == len(keys):
+        q = exponentials(_on(pairs, torch.long, probs.device), probs.shape[1])
+    else:
+        q = torch.empty_like(probs).exponential_()
+        if seeded:
+            q[_on(seeded, torch.long, probs.device)] = exponentials(_on(pairs, torch.long, probs.device),
+                                                                     probs.shape[1])
     return (probs / q).argmax(dim=-1)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from lora_core.request import LoRARequest
 from replicas.sampling_params import SamplingParams
+from replicas.seeded_noise import row_key
 
 
 # An output token sampled by a step whose result has not been read back yet (async scheduling):
@@ -88,7 +89,7 @@ class Sequence:
         self.prefix_leader: Sequence | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._draws = 0  # random draws so far: with a seed, the next one's noise is row_key(seed, _draws)
         self._prompt_masks: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     # -- tokens -----------------------------------------------------------
@@ -141,8 +142,8 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Forget the KV cache (preemption): prompt and outputs are prefilled again on resume.
 
-        Outputs are kept and the generator is not reset, so a seeded request
-        continues the same random stream it would have without preemption.
+        Outputs and the draw count are kept, so a seeded request's next draw
+        has the noise it would have had without preemption.
         """
         self.num_computed_tokens = 0
         self.block_table = []
@@ -162,18 +163,14 @@ class Sequence:
             self._prompt_masks[(device, vocab)] = mask
         return mask
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """The request's own generator on ``device`` (None when no seed was given)."""
+    def take_noise_key(self) -> int | None:
+        """The noise key of this request's next random draw (replicas/seeded_noise.py), None when no seed was
+        given; each call is a draw."""
         seed = self.sampling_params.seed
         if seed is None:
             return None
-        device = torch.device(device)
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed)
-            self._generators[device] = gen
-        return gen
+        self._draws += 1
+        return row_key(seed, self._draws - 1)
 
     def __repr__(self) -> str:
         return (
