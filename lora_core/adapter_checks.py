@@ -207,6 +207,9 @@ def check_module(name: str, mt: ModuleTensors, helper: PEFTHelper, path: str,
     if expected is not None and suffix not in expected:
         problems.append(UnknownTargetModuleError(
             path, a_key, f"module {suffix!r} cannot take a LoRA in this model (supported: {sorted(expected)})"))
+    if not helper.in_layers(name):
+        problems.append(UnknownTargetModuleError(
+            path, a_key, f"module {name} lies outside layers_to_transform {helper.layers_to_transform}"))
     if a.ndim != 2 or b.ndim != 2:
         problems.append(AdapterShapeError(
             path, a_key if a.ndim != 2 else b_key,

@@ -28,6 +28,8 @@ from lora_core.errors import (
 
 CONFIG_NAME = "adapter_config.json"
 _BIAS_VALUES = ("none", "all", "lora_only")
+# PEFT's default names of the module list that holds a model's layers (transformers models)
+_LAYER_NAMES = ("layers", "h", "block", "blocks", "layer")
 
 
 def raise_problems(path: object, problems: list[InvalidAdapterError]) -> None:
@@ -78,7 +80,10 @@ class PEFTHelper:
     modules_to_save: list[str] | None = None
     use_dora: bool = False
     base_model_name_or_path: str | None = None
+    # PEFT's: a list target_modules then reaches only these layers' modules, the layer index read after
+    # layers_pattern (default: any of PEFT's usual names, "layers" for Llama-family models)
     layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
     config_path: str = CONFIG_NAME
 
     # ---------------------------------------------------------------- parsing
@@ -146,6 +151,10 @@ class PEFTHelper:
         layers = d.get("layers_to_transform")
         if layers is not None and not (_is_int(layers) or (isinstance(layers, list) and all(map(_is_int, layers)))):
             bad("layers_to_transform", "an integer, a list of integers or null")
+        pattern = d.get("layers_pattern")
+        if pattern is not None and not (isinstance(pattern, str) or (isinstance(pattern, list)
+                                                                     and all(isinstance(p, str) for p in pattern))):
+            bad("layers_pattern", "a string, a list of strings or null")
         raise_problems(path, problems)
 
         return cls(
@@ -161,6 +170,7 @@ class PEFTHelper:
             use_dora=bool(d.get("use_dora") or False),
             base_model_name_or_path=base,
             layers_to_transform=layers,
+            layers_pattern=pattern or None,
             config_path=path,
         )
 
@@ -190,9 +200,21 @@ class PEFTHelper:
             suffix = module_name.rsplit(".", 1)[-1]
             linear = set(linear_modules)
             return suffix != "lm_head" and (module_name in linear or suffix in linear)
-        if isinstance(self.target_modules, str):
+        if isinstance(self.target_modules, str):  # a regex names the layers itself (PEFT ignores the filter)
             return re.fullmatch(self.target_modules, module_name) is not None
-        return any(module_name == k or module_name.endswith("." + k) for k in self.target_modules)
+        found = any(module_name == k or module_name.endswith("." + k) for k in self.target_modules)
+        return found and self.in_layers(module_name)
+
+    def in_layers(self, module_name: str) -> bool:
+        """Whether module_name lies in one of layers_to_transform's layers (True without that setting)."""
+        if self.layers_to_transform is None:
+            return True
+        wanted = {self.layers_to_transform} if isinstance(self.layers_to_transform, int) else \
+            set(self.layers_to_transform)
+        names = self.layers_pattern or _LAYER_NAMES
+        names = [names] if isinstance(names, str) else names
+        match = re.search(r"(?:^|\.)(?:" + "|".join(map(re.escape, names)) + r")\.(\d+)(?:\.|$)", module_name)
+        return match is not None and int(match.group(1)) in wanted
 
     @property
     def max_rank(self) -> int:
@@ -236,10 +258,6 @@ class PEFTHelper:
         if self.lora_bias and lora_config is not None and not lora_config.bias_enabled:
             problems.append(UnsupportedAdapterError(
                 p, "lora_bias", "adapter carries a LoRA bias but this deployment has bias_enabled=False"))
-        if self.layers_to_transform is not None:
-            problems.append(UnsupportedAdapterError(
-                p, "layers_to_transform", "restricting LoRA to some layers is not supported; "
-                "re-save the adapter with target_modules naming the layers instead"))
         return problems
 
     def validate_legal(self, lora_config: LoRAConfig | None = None) -> None:

@@ -137,4 +137,7 @@ PEFT_CASES = {
     "regex": dict(r=4, lora_alpha=4, target_modules=r".*layers\.1\.(self_attn\.(q|k)_proj|mlp\.gate_proj)"),
     "all_linear": dict(r=4, lora_alpha=8, target_modules="all-linear"),
     "embed_lm_head": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj", "down_proj"]),
+    "layers_to_transform": dict(r=4, lora_alpha=8, target_modules=ALL_PROJ, layers_to_transform=[1]),
+    "layers_pattern": dict(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"], layers_to_transform=0,
+                           layers_pattern="layers"),
 }

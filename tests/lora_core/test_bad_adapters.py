@@ -190,6 +190,20 @@ def test_layer_the_model_does_not_have(load, adapter):
     assert all(isinstance(p, UnknownTargetModuleError) and ".layers.7." in p.field for p in info.value.problems)
 
 
+def test_weights_outside_layers_to_transform(load, adapter):
+    """An adapter that says it reaches layer 1 only but holds layer 0's weights too is inconsistent: refused,
+    naming each tensor outside; the same file saying layer 0 and 1 loads."""
+    _edit_config(adapter, layers_to_transform=[1])
+    with pytest.raises(MultipleAdapterProblems) as info:
+        load(adapter)
+    assert {p.field for p in info.value.problems} == {Q_A, Q_A.replace("q_proj", "v_proj"),
+                                                      Q_A.replace("self_attn.q_proj", "mlp.down_proj")}
+    assert all(isinstance(p, UnknownTargetModuleError) and "layers_to_transform" in str(p)
+               for p in info.value.problems)
+    _edit_config(adapter, layers_to_transform=[0, 1])
+    assert len(load(adapter).loras) == 6
+
+
 def test_rank_above_max(load, adapter):
     exc = _raises(RankTooLargeError, load, adapter, CONFIG, "r", lora_config=LoRAConfig(max_lora_rank=4))
     assert "max_lora_rank=4" in str(exc)

@@ -70,8 +70,10 @@ def _candidates(model):
 
 
 @pytest.mark.parametrize("kwargs", [CASES["plain"], CASES["regex"], CASES["embed_lm_head"],
-                                    dict(r=4, lora_alpha=8, target_modules="all-linear")],
-                         ids=["list", "regex", "embed_lm_head", "all-linear"])
+                                    dict(r=4, lora_alpha=8, target_modules="all-linear"),
+                                    CASES["layers_to_transform"], CASES["layers_pattern"]],
+                         ids=["list", "regex", "embed_lm_head", "all-linear", "layers_to_transform",
+                              "layers_pattern"])
 def test_targets_match_peft(kwargs, make_peft_adapter, tiny_llama, peft_layers):
     """targets() picks exactly the modules PEFT put a LoRA on (all-linear: before PEFT expands it)."""
     _, peft_model = make_peft_adapter(**kwargs)
@@ -91,7 +93,7 @@ def test_good_adapter_is_legal(case):
 def test_validate_legal_reports_every_problem():
     h = PEFTHelper.from_dict(
         dict(r=64, lora_alpha=0, target_modules=["q_proj"], use_dora=True, bias="all", lora_bias=True,
-             modules_to_save=["lm_head"], layers_to_transform=[0], rank_pattern={"k_proj": 32}),
+             modules_to_save=["lm_head"], rank_pattern={"k_proj": 32}),
         "/adapters/x/adapter_config.json")
     with pytest.raises(MultipleAdapterProblems) as info:
         h.validate_legal(LoRAConfig(max_lora_rank=16, bias_enabled=False))
@@ -101,7 +103,6 @@ def test_validate_legal_reports_every_problem():
         "r": RankTooLargeError, "rank_pattern['k_proj']": RankTooLargeError, "lora_alpha": CorruptAdapterError,
         "use_dora": UnsupportedAdapterError, "modules_to_save": UnsupportedAdapterError,
         "bias": UnsupportedAdapterError, "lora_bias": UnsupportedAdapterError,
-        "layers_to_transform": UnsupportedAdapterError,
     }
     message = str(info.value)
     assert "/adapters/x/adapter_config.json" in message and "DoRA" in message
@@ -132,7 +133,7 @@ def test_lora_bias_needs_bias_enabled():
 @pytest.mark.parametrize("field, value", [
     ("r", "8"), ("r", True), ("lora_alpha", "16"), ("target_modules", 3), ("target_modules", None),
     ("use_rslora", "yes"), ("rank_pattern", {"q_proj": "8"}), ("alpha_pattern", []), ("bias", "some"),
-    ("modules_to_save", "lm_head"), ("layers_to_transform", "0"),
+    ("modules_to_save", "lm_head"), ("layers_to_transform", "0"), ("layers_pattern", 3),
 ])
 def test_wrong_field_type_is_corrupt(field, value):
     d = dict(r=8, lora_alpha=16, target_modules=["q_proj"])
