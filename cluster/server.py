@@ -13,6 +13,7 @@ import asyncio
 import collections
 import itertools
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from replicas.outputs import RequestOutput
 
 
 ADAPTER_GPU_HIT, ADAPTER_HOST_HIT, ADAPTER_TIER_LOAD = "gpu", "host", "object_store"
+# An adapter name dynamic loading appends to its path: one path segment, nothing to climb out of it with.
+DYNAMIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
 class AdapterCatalog(Protocol):
@@ -55,11 +58,20 @@ class ServerConfig:
     # The model family's thinking syntax, returned apart as reasoning_content: "deepseek_r1" or "qwen3"
     # (cluster/reasoning.py); None: the whole output is content.
     reasoning_parser: str | None = None
+    # Ray Serve LLM's and vLLM's lazy adapters: a request naming an adapter nobody registered loads the one
+    # at "<this>/<name>" (s3://, hf:// or a local root), registered cluster-wide as it is fetched. None: a
+    # name must be registered first (preload_adapters, /v1/load_lora_adapter).
+    dynamic_lora_loading_path: str | None = None
 
     def __post_init__(self) -> None:
         # an unknown name fails the deployment's start
         self.tool_parser = tool_parser(self.tool_call_parser)
         self.reasoning = reasoning_parser(self.reasoning_parser)
+        if self.dynamic_lora_loading_path is not None:
+            if not isinstance(self.dynamic_lora_loading_path, str) or not self.dynamic_lora_loading_path.strip("/"):
+                raise ValueError(f"dynamic_lora_loading_path must be a non-empty uri prefix, got "
+                                 f"{self.dynamic_lora_loading_path!r}")
+            self.dynamic_lora_loading_path = self.dynamic_lora_loading_path.rstrip("/")
 
     def engine_args(self, model_dir: str) -> EngineArgs:
         args = dict(enable_lora=True, max_loras=4, max_lora_rank=64)
@@ -148,19 +160,47 @@ class LoRAServer:
         async with self._loading.setdefault(name, asyncio.Lock()):
             if name in self._loaded:
                 return await self._ensure_loaded(name)  # loaded while this request waited: a hit
-            uri = await self.catalog.lookup(name)
-            if uri is None:
-                raise AdapterNotFoundError(f"model {name!r} does not exist: not the base model "
-                                           f"({self.model_name!r}) nor a registered adapter")
             start = time.monotonic()
-            path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
-            request = LoRARequest(name, next(self._ids), str(path))
-            await self.engine.add_lora(request)
+            uri = await self.catalog.lookup(name)
+            dynamic = uri is None
+            if dynamic:
+                uri = await self._register_dynamic(name)
+            try:
+                path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
+                request = LoRARequest(name, next(self._ids), str(path))
+                await self.engine.add_lora(request)
+            except Exception:
+                if dynamic:  # a broken adapter (a rank above max_lora_rank, say) does not stay registered
+                    await asyncio.shield(self._unregister_quietly(name))
+                raise
             self._loaded[name] = request
             self._loaded_uri[name] = uri
             self.adapter_events[ADAPTER_TIER_LOAD] += 1
             self.load_latencies.append(time.monotonic() - start)
             return request
+
+    async def _register_dynamic(self, name: str) -> str:
+        """Register <dynamic_lora_loading_path>/<name> for an unregistered name (fetched once per cluster);
+        AdapterNotFoundError where there is no such path, or the name cannot be one."""
+        root = self.config.dynamic_lora_loading_path
+        unknown = f"model {name!r} does not exist: not the base model ({self.model_name!r}) nor a registered adapter"
+        if root is None:
+            raise AdapterNotFoundError(unknown)
+        if not DYNAMIC_NAME.fullmatch(name):
+            raise AdapterNotFoundError(f"{unknown}, and not a name that dynamic loading takes (letters, digits, "
+                                       f"'.', '_' and '-', starting with a letter or digit)")
+        uri = f"{root}/{name}"
+        try:
+            await self.catalog.register(name, uri)
+        except AdapterNotFoundError:
+            raise AdapterNotFoundError(f"{unknown}, and {uri} holds no adapter") from None
+        return uri
+
+    async def _unregister_quietly(self, name: str) -> None:
+        try:
+            await self.catalog.unregister(name)
+        except AdapterNotFoundError:
+            pass  # another replica's failed load took it back already
 
     async def sync_registry(self) -> None:
         """Forget adapters that were unregistered cluster-wide and no request uses now."""

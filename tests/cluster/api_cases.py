@@ -24,17 +24,19 @@ def stack(tmp_path_factory):
     yield from open_stack(tmp_path_factory)
 
 
-def open_stack(tmp_path_factory, **server_config):
-    """The stack's generator, for a fixture of a server with other ServerConfig settings."""
+def open_stack(tmp_path_factory, adapters_root=None, sources=None, **server_config):
+    """The stack's generator, for a fixture of a server with other ServerConfig settings (adapters_root: the
+    directory the local adapters lie in, sql-copy among them, default a fresh one; sources: more
+    SourceSettings fields)."""
     cache = tmp_path_factory.mktemp("cache")
-    root = tmp_path_factory.mktemp("adapters")
+    root = adapters_root or tmp_path_factory.mktemp("adapters")
     mp = pytest.MonkeyPatch()
     mp.setenv("LORAFLEET_CACHE", str(cache))
     loop = asyncio.new_event_loop()
     from replicas.demo_checkpoint import ensure_demo_checkpoint
 
     demo = ensure_demo_checkpoint()
-    settings = SourceSettings(allowed_local_roots=[str(root), str(cache)])
+    settings = SourceSettings(allowed_local_roots=[str(root), str(cache)], **(sources or {}))
     server = LoRAServer(ServerConfig(model="demo", engine=ENGINE, default_max_tokens=8, **server_config),
                         LocalCatalog(settings))
     loop.run_until_complete(server.start())
