@@ -95,6 +95,14 @@ class GenerateRequest:
     chat_template_kwargs: dict[str, Any] | None = None  # chat: more template variables (Qwen3's enable_thinking)
 
 
+@dataclass
+class _NameLock:
+    """One adapter name's load lock, and how many requests hold or wait for it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
 class LoRAServer:
     def __init__(self, config: ServerConfig, catalog: AdapterCatalog) -> None:
         self.config = config
@@ -114,7 +122,7 @@ class LoRAServer:
         self.tokenizer = self.engine.engine.tokenizer
         self._loaded: dict[str, LoRARequest] = {}
         self._loaded_uri: dict[str, str] = {}  # the source each loaded adapter came from
-        self._loading: dict[str, asyncio.Lock] = {}  # one load at a time per adapter name
+        self._loading: dict[str, _NameLock] = {}  # one load at a time per adapter name
         self._ids = itertools.count(1)
         self._inflight = 0
         # Where each adapter request found its adapter (the tier itself counts origin fetches).
@@ -157,27 +165,41 @@ class LoRAServer:
             return request
         # Concurrent first requests for one adapter share one load: a second load would read the tier again,
         # rewrite the directory the first one reads, and clash with it in the engine (same name, another id).
-        async with self._loading.setdefault(name, asyncio.Lock()):
-            if name in self._loaded:
-                return await self._ensure_loaded(name)  # loaded while this request waited: a hit
-            start = time.monotonic()
-            uri = await self.catalog.lookup(name)
-            dynamic = uri is None
-            if dynamic:
-                uri = await self._register_dynamic(name)
-            try:
-                path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
-                request = LoRARequest(name, next(self._ids), str(path))
-                await self.engine.add_lora(request)
-            except Exception:
-                if dynamic:  # a broken adapter (a rank above max_lora_rank, say) does not stay registered
-                    await asyncio.shield(self._unregister_quietly(name))
-                raise
-            self._loaded[name] = request
-            self._loaded_uri[name] = uri
-            self.adapter_events[ADAPTER_TIER_LOAD] += 1
-            self.load_latencies.append(time.monotonic() - start)
-            return request
+        # The entry lives while requests use it, so the names that never load (any string a client sends)
+        # leave nothing behind.
+        entry = self._loading.setdefault(name, _NameLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                if name in self._loaded:
+                    return await self._ensure_loaded(name)  # loaded while this request waited: a hit
+                return await self._load(name)
+        finally:
+            entry.users -= 1
+            if not entry.users:
+                del self._loading[name]
+
+    async def _load(self, name: str) -> LoRARequest:
+        """Fetch (through the cluster tier) and add the adapter called name; registers it first where only
+        dynamic loading knows it."""
+        start = time.monotonic()
+        uri = await self.catalog.lookup(name)
+        dynamic = uri is None
+        if dynamic:
+            uri = await self._register_dynamic(name)
+        try:
+            path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
+            request = LoRARequest(name, next(self._ids), str(path))
+            await self.engine.add_lora(request)
+        except Exception:
+            if dynamic:  # a broken adapter (a rank above max_lora_rank, say) does not stay registered
+                await asyncio.shield(self._unregister_quietly(name))
+            raise
+        self._loaded[name] = request
+        self._loaded_uri[name] = uri
+        self.adapter_events[ADAPTER_TIER_LOAD] += 1
+        self.load_latencies.append(time.monotonic() - start)
+        return request
 
     async def _register_dynamic(self, name: str) -> str:
         """Register <dynamic_lora_loading_path>/<name> for an unregistered name (fetched once per cluster);

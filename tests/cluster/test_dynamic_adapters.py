@@ -50,6 +50,28 @@ def test_names_with_nothing_under_the_path_are_404s_and_the_server_serves_on(dyn
     assert "holds no adapter" in errors[0] and str(dynamic_stack[3]) in errors[0]
     assert all("not a name that dynamic loading takes" in e for e in errors[1:])
     assert ok.usage.completion_tokens == 2
+    assert not dynamic_stack[2]._loading  # names that never loaded leave no lock behind
+
+
+def test_concurrent_first_requests_share_one_load(dynamic_stack):
+    """Eight requests at once for an adapter no replica holds yet: one fetch, one engine load, eight answers,
+    and no lock left behind."""
+    import asyncio
+
+    from cluster.server import ADAPTER_TIER_LOAD
+
+    server, root = dynamic_stack[2], dynamic_stack[3]
+    shutil.copytree(root / "sql-copy", root / "sql-twin")
+    fetches, loads = server.catalog.origin_fetches, server.adapter_events[ADAPTER_TIER_LOAD]
+
+    async def go(c):
+        return await asyncio.gather(*(c.completions.create(model="sql-twin", prompt="SELECT", max_tokens=3,
+                                                           temperature=0) for _ in range(8)))
+
+    outs = run(dynamic_stack, go)
+    assert len({o.choices[0].text for o in outs}) == 1
+    assert server.catalog.origin_fetches - fetches == 1 and server.adapter_events[ADAPTER_TIER_LOAD] - loads == 1
+    assert not server._loading
 
 
 def _refused(stack, model: str) -> tuple[str, list[str]]:
