@@ -28,8 +28,6 @@ from lora_core.errors import (
 
 CONFIG_NAME = "adapter_config.json"
 _BIAS_VALUES = ("none", "all", "lora_only")
-# PEFT's default names of the module list that holds a model's layers (transformers models)
-_LAYER_NAMES = ("layers", "h", "block", "blocks", "layer")
 
 
 def raise_problems(path: object, problems: list[InvalidAdapterError]) -> None:
@@ -80,8 +78,8 @@ class PEFTHelper:
     modules_to_save: list[str] | None = None
     use_dora: bool = False
     base_model_name_or_path: str | None = None
-    # PEFT's: a list target_modules then reaches only these layers' modules, the layer index read after
-    # layers_pattern (default: any of PEFT's usual names, "layers" for Llama-family models)
+    # PEFT's: a list target_modules then reaches only these layers' modules, the layer index being the number
+    # after layers_pattern (by default after any name: "layers.3." in "model.layers.3.mlp.up_proj")
     layers_to_transform: list[int] | int | None = None
     layers_pattern: list[str] | str | None = None
     config_path: str = CONFIG_NAME
@@ -211,10 +209,13 @@ class PEFTHelper:
             return True
         wanted = {self.layers_to_transform} if isinstance(self.layers_to_transform, int) else \
             set(self.layers_to_transform)
-        names = self.layers_pattern or _LAYER_NAMES
-        names = [names] if isinstance(names, str) else names
-        match = re.search(r"(?:^|\.)(?:" + "|".join(map(re.escape, names)) + r")\.(\d+)(?:\.|$)", module_name)
-        return match is not None and int(match.group(1)) in wanted
+        # PEFT's rule: the last "<pattern>.<number>." in the name (patterns are regexes); none -> not targeted
+        patterns = self.layers_pattern or [r"[^.]*"]
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf".*\.{pattern}\.(\d+)\.", module_name)
+            if match is not None:
+                return int(match.group(1)) in wanted
+        return False
 
     @property
     def max_rank(self) -> int:
