@@ -11,7 +11,6 @@ interpreter's switch interval lowered (replicas/gil.py).
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -26,6 +25,7 @@ from lora_core.pinned_pool import PinnedSlabPool
 from lora_core.request import LoRARequest
 from replicas.gil import LOADER_SWITCH_INTERVAL
 from replicas.lora_load_process import ProcessAdapterLoader
+from replicas.spawn import usable_cores
 
 # Adapter loads run on two threads, each with torch's intra-op parallelism off: an adapter is hundreds of
 # ~100 KB tensors, and intra-op thread pools in several loaders oversubscribe the cores. On a 16-core H200
@@ -49,8 +49,7 @@ def load_processes_for(requested: int | None, device: torch.device) -> int:
         return requested
     if device.type != "cuda":
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(DEFAULT_LOAD_PROCESSES, cores // 4)
+    return min(DEFAULT_LOAD_PROCESSES, usable_cores() // 4)
 
 
 def load_processes_with_pool(requested: int | None, processes: int, pool: PinnedSlabPool | None) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import multiprocessing.context
 import multiprocessing.spawn
+import os
 
 WORKER_PREFIX = "lorafleet-worker"
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
@@ -56,3 +57,8 @@ if not getattr(multiprocessing.spawn.get_preparation_data, "_lorafleet", False):
     multiprocessing.spawn.get_preparation_data = _preparation_data
 
 WORKER_CONTEXT = WorkerContext()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it), what sizes a worker pool."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

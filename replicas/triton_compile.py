@@ -20,35 +20,28 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Iterator
 
-from replicas.spawn import WORKER_CONTEXT
+from replicas.spawn import WORKER_CONTEXT, usable_cores
 
 log = logging.getLogger(__name__)
 
 
 def compile_workers() -> int:
     """Processes for compiles: the usable cores, at most 16."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(16, cores))
+    return max(1, min(16, usable_cores()))
 
 
 def disk_cache_dir() -> Path:
-    """Triton's disk cache: TRITON_CACHE_DIR, else .triton/cache under TRITON_HOME or the home directory."""
-    try:
-        from triton import knobs
-        return Path(knobs.cache.dir)
-    except (ImportError, AttributeError):  # Triton < 3.4 (which has no jit_cache_hook either)
-        return Path(os.environ.get("TRITON_CACHE_DIR")
-                    or Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache")
+    """Triton's disk cache: TRITON_CACHE_DIR, else .triton/cache under TRITON_HOME or the home directory
+    (asked only where _runtime_knobs() found Triton >= 3.4, which has knobs)."""
+    from triton import knobs
+
+    return Path(knobs.cache.dir)
 
 
 def compile_workers_for(requested: int | None, device: str, tensor_parallel_size: int = 1) -> int:

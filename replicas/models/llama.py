@@ -59,24 +59,23 @@ class LlamaAttention(nn.Module):
         qkv, lora = forward_pending(self.qkv_proj, hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
-            q, k, v = self._norm_heads(q, k, v, lora, row_scale)
-            lora = row_scale = None
+            if row_scale is not None:  # the decoder layer leaves none to a qk-norm model (_norm's defer)
+                raise ValueError("a qk-norm attention takes its input normed: no row_scale")
+            q, k = self._norm_heads(q, k, lora)
+            lora = None
         q, k = self.rotary_emb(positions, q, k, lora=lora, v=v, row_scale=row_scale)
         return q, k, v
 
-    def _norm_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lora: PendingExpand | None,
-                    row_scale: RowScale | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Qwen3's per-head RMSNorm of q and k. What the rotary kernel would have added as it read them (the
-        LoRA expand, and the input norm's 1 / rms, which the decoder layer does not defer to a qk-norm model but
-        a direct caller of project() may) goes into q, k and v first: the head norms read the finished values."""
+    def _norm_heads(self, q: torch.Tensor, k: torch.Tensor,
+                    lora: PendingExpand | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of q and k. The LoRA expand the rotary kernel would have added as it read
+        them goes into qkv first: the head norms read the finished values."""
         if lora is not None:
             lora.apply()  # into qkv, whose views q, k and v are
-        if row_scale is not None:
-            row_scale.apply_(q, k, v)
         hd = self.head_dim
         q = self.q_norm(q.contiguous().view(-1, hd)).view(q.shape)
         k = self.k_norm(k.contiguous().view(-1, hd)).view(k.shape)
-        return q, k, v
+        return q, k
 
 
 class LlamaMLP(nn.Module):
