@@ -5,13 +5,15 @@ token ids masked until that many tokens were generated), bad_words, logit_bias
 and allowed_token_ids; the structured-output masks (replicas/grammar.py); then
 greedy argmax for temperature-0 rows, and for the others temperature, min_p,
 top_k, top_p and a draw (among torch.topk's candidates where top_k is small,
-else over the sorted vocabulary). Logprobs are taken from the raw model logits
+in one launch on CUDA: replicas/candidate_draw.py; else over the sorted
+vocabulary). Logprobs are taken from the raw model logits
 (log_softmax before any penalty or temperature), as vLLM returns them by
 default.
 
-A seeded request's noise is a hash of its seed, the draw's number and the
-column (replicas/seeded_noise.py: one launch for every seeded row), so its
-tokens do not depend on which other requests share the batch.
+A draw is argmax(p / q), q ~ Exp(1), with q a hash of the row's key and the
+column (replicas/seeded_noise.py: one launch for all rows). A seeded request's
+key comes from its seed and the draw's number, so its tokens do not depend on
+which other requests share the batch; any other row's key is fresh random bits.
 
 Nothing here waits for the GPU: with async scheduling the sampler's kernels
 are queued behind a step that is still running, and the host must go on to
@@ -24,6 +26,7 @@ the engine has read the step's tokens back, so nothing is left to wait for).
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Callable
@@ -33,6 +36,7 @@ import torch
 
 from replicas.grammar import apply_token_masks
 from replicas.sampling_params import SamplingParams
+from replicas.candidate_draw import draw_candidates, settings_row
 from replicas.seeded_noise import exponentials, key_pairs
 from replicas.sequence import Sequence
 
@@ -121,17 +125,17 @@ class Sampler:
         if token_masks is not None:  # where min_tokens or allowed_token_ids leave no token, the grammar wins
             restricted = apply_token_masks(restricted, token_masks, fallback=None if restricted is logits else logits)
         logits = restricted
-        greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        token_ids = greedy_ids
-        if random_rows:
-            token_ids = greedy_ids.clone()
-            few = [i for i in random_rows if 0 < params[i].top_k <= TOP_K_CANDIDATES]
-            rest = [i for i in random_rows if not 0 < params[i].top_k <= TOP_K_CANDIDATES]
-            for group, draw in ((few, self._draw_top_k), (rest, self._draw_vocab)):
-                if group:
-                    rows = _on(group, torch.long, logits.device)
-                    token_ids[rows] = draw(logits[rows], [seqs[i] for i in group], [params[i] for i in group])
+        few = [i for i in random_rows if 0 < params[i].top_k <= TOP_K_CANDIDATES]
+        rest = [i for i in random_rows if not 0 < params[i].top_k <= TOP_K_CANDIDATES]
+        draws = [(group, draw) for group, draw in ((few, self._draw_top_k), (rest, self._draw_vocab)) if group]
+        if len(draws) == 1 and len(draws[0][0]) == n:  # one kind of draw for every row: no gather, no scatter
+            token_ids = draws[0][1](logits, _noise_keys(seqs), params)
+        else:
+            token_ids = logits.argmax(dim=-1)
+            for group, draw in draws:
+                rows = _on(group, torch.long, logits.device)
+                token_ids[rows] = draw(logits[rows], _noise_keys([seqs[i] for i in group]), [params[i] for i in group])
 
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplerOutput(token_ids, n, self._logprobs(raw, token_ids, want, params, n) if want else None)
@@ -207,28 +211,17 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _draw_top_k(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+    def _draw_top_k(logits: torch.Tensor, keys: list[int], params: Seq[SamplingParams]) -> torch.Tensor:
         """Rows with top_k <= TOP_K_CANDIDATES draw among their top k only (torch.topk, not a sort of the whole
-        vocabulary); min_p and top_p then mask those candidates, as _draw_vocab masks the vocabulary."""
-        logits = logits / _column([p.temperature for p in params], logits)
-        top_k = [p.top_k for p in params]
-        values, ids = logits.topk(max(top_k), dim=-1)  # most likely first
-        positions = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
-        drop = positions >= _on(top_k, torch.long, values.device).unsqueeze(1)
-        if any(p.min_p > 0 for p in params):  # p < min_p * p_max, on logits: l < l_max + ln(min_p)
-            floor = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], values)
-            drop = drop | (values < values[:, :1] + floor)
-        values = values.masked_fill(drop, -math.inf)
-        if any(p.top_p < 1 for p in params):
-            probs = values.softmax(dim=-1)
-            beyond = (probs.cumsum(dim=-1) - probs) >= _column([p.top_p for p in params], probs)
-            beyond[:, 0].fill_(False)  # the most likely token always survives
-            values = values.masked_fill(beyond, -math.inf)
-        choice = _gumbel_argmax(values.softmax(dim=-1), seqs)
-        return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+        vocabulary); temperature, min_p and top_p then apply to those candidates (replicas/candidate_draw.py).
+        Temperature > 0 keeps the order, so the candidates are taken from the raw logits."""
+        values, ids = logits.topk(max(p.top_k for p in params), dim=-1)  # most likely first
+        settings = _on([settings_row(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], torch.float32,
+                       logits.device)
+        return draw_candidates(values, ids, settings, _on(key_pairs(keys), torch.long, logits.device))
 
     @staticmethod
-    def _draw_vocab(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+    def _draw_vocab(logits: torch.Tensor, keys: list[int], params: Seq[SamplingParams]) -> torch.Tensor:
         logits = logits / _column([p.temperature for p in params], logits)
 
         if any(p.min_p > 0 for p in params):
@@ -242,7 +235,7 @@ class Sampler:
         if any(top_k) or any(p < 1 for p in top_p):
             logits = _apply_top_k_top_p(logits, top_k, top_p)
 
-        return _gumbel_argmax(logits.softmax(dim=-1), seqs)
+        return _gumbel_argmax(logits.softmax(dim=-1), keys)
 
     @staticmethod
     def _logprobs(
@@ -276,21 +269,19 @@ class Sampler:
         return read
 
 
-def _gumbel_argmax(probs: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
-    """A draw from each row of probs: argmax(p / q) with q ~ Exp(1). A seeded row's q is a hash of its seed,
-    its draw's number and the column (replicas/seeded_noise.py, one launch for all of them), so its draws do
-    not depend on the rows beside it."""
+# Keys of rows without a seed: any random bits do (seeded from the OS at import: spawned processes differ).
+_FRESH_KEYS = random.Random()
+
+
+def _noise_keys(seqs: Seq[Sequence]) -> list[int]:
+    """Each row's noise key for this draw: a seeded request's own (Sequence.take_noise_key), else fresh bits."""
     keys = [seq.take_noise_key() for seq in seqs]
-    seeded = [i for i, key in enumerate(keys) if key is not None]
-    pairs = key_pairs([keys[i] for i in seeded])
-    if len(seeded) == len(keys):
-        q = exponentials(_on(pairs, torch.long, probs.device), probs.shape[1])
-    else:
-        q = torch.empty_like(probs).exponential_()
-        if seeded:
-            q[_on(seeded, torch.long, probs.device)] = exponentials(_on(pairs, torch.long, probs.device),
-                                                                     probs.shape[1])
-    return (probs / q).argmax(dim=-1)
+    return [_FRESH_KEYS.getrandbits(64) if key is None else key for key in keys]
+
+
+def _gumbel_argmax(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """A draw from each row of probs: argmax(p / q), q ~ Exp(1) the hash of the row's key and the column."""
+    return (probs / exponentials(_on(key_pairs(keys), torch.long, probs.device), probs.shape[1])).argmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -29,14 +29,21 @@ def _mix(x):
 
 
 @triton.jit
+def exp_noise(cols, low, high):
+    """q = -log(u) of columns `cols` (uint32) for the key (low, high): the reference's noise, for any kernel
+    that draws (replicas/kernels/candidate_draw.py too)."""
+    h = _mix(_mix(cols + low) ^ high)
+    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return -tl.log(u)
+
+
+@triton.jit
 def _exponentials_kernel(pairs_ptr, out_ptr, width, out_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     low = tl.load(pairs_ptr + row * 2).to(tl.uint32)
     high = tl.load(pairs_ptr + row * 2 + 1).to(tl.uint32)
-    h = _mix(_mix(cols.to(tl.uint32) + low) ^ high)
-    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    tl.store(out_ptr + row * out_stride + cols, -tl.log(u), mask=cols < width)
+    tl.store(out_ptr + row * out_stride + cols, exp_noise(cols.to(tl.uint32), low, high), mask=cols < width)
 
 
 def exponentials(pairs: torch.Tensor, width: int) -> torch.Tensor:
