@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI), over any backend with LoRAServer's methods.
 
 Routes: /v1/completions, /v1/chat/completions (SSE streaming with `stream`),
+/v1/responses and /v1/responses/{id} (OpenAI's Responses API over the chat path: cluster/responses.py),
 /v1/models, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
 /health and /metrics, vLLM's /tokenize and /detokenize (cluster/token_routes.py).
 This is the one place where domain errors become HTTP status codes.
@@ -22,13 +23,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from cluster import prompt_batch
 from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapterSourceError, OverloadedError,
-                            SourceUnavailableError, remote_cause)
+                            ResponseNotFoundError, SourceUnavailableError, remote_cause)
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                               UnloadLoRAAdapterRequest)
-from cluster.response_formats import ChatFormat, CompletionFormat, Format
+from cluster.chat_request import chat_generation
+from cluster.response_formats import CompletionFormat, Format
+from cluster.responses import add_response_routes
 from cluster.server import GenerateRequest
 from cluster.token_routes import add_token_routes
-from cluster.tool_calls import template_messages, tool_plan
 from lora_core.errors import InvalidAdapterError, LoRAConfigError, UnknownLoRAError
 from replicas.errors import EngineDeadError, InvalidRequestError
 from replicas.outputs import CompletionDeltas, RequestOutput
@@ -36,7 +38,7 @@ from replicas.outputs import CompletionDeltas, RequestOutput
 # (exception types, HTTP status, OpenAI error type); first match wins.
 ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
     ((AuthenticationError,), 401, "authentication_error"),
-    ((AdapterNotFoundError, UnknownLoRAError), 404, "not_found_error"),
+    ((AdapterNotFoundError, UnknownLoRAError, ResponseNotFoundError), 404, "not_found_error"),
     ((InvalidRequestError, BadAdapterSourceError, InvalidAdapterError, LoRAConfigError, ValueError), 400,
      "invalid_request_error"),
     ((OverloadedError,), 429, "rate_limit_error"),
@@ -144,63 +146,48 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        sampling = body.sampling(backend.default_max_tokens, logprobs)
-        if body.max_completion_tokens is not None:
-            sampling["max_tokens"] = body.max_completion_tokens
         try:
-            plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, backend.tool_parser)
-            if plan is not None and plan.constraint is not None and sampling["structured_outputs"] is not None:
-                raise InvalidRequestError([("tool_choice", "a forced tool call writes the output's shape: it "
-                                            "cannot be combined with response_format or structured_outputs")])
+            req, fmt = chat_generation(body, backend)
         except InvalidRequestError as exc:
             return error_response(exc)
-        if plan is not None and plan.constraint is not None:
-            sampling["structured_outputs"] = plan.constraint
-        if plan is not None and plan.parser is not None and plan.parser.needs_special_tokens:
-            sampling["skip_special_tokens"] = False  # the parser reads a special token (mistral's [TOOL_CALLS])
-        req = GenerateRequest(body.model, sampling, messages=template_messages(body.messages), priority=body.priority,
-                              add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                              continue_final_message=body.continue_final_message,
-                              chat_template_kwargs=body.chat_template_kwargs)
-        reasoning = backend.reasoning_parser
-        if reasoning is not None and sampling["structured_outputs"] is not None:
-            reasoning = reasoning.opened_by_output()  # a grammar's output thinks only where it opens <think>
-        return await _respond(req, body, ChatFormat(body, backend, plan, reasoning))
+        return await _respond(req, body, fmt)
 
-    async def _respond(req: GenerateRequest, body: Any, fmt: Format):
+    async def _start(req: GenerateRequest, model: str
+                     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]] | JSONResponse:
+        """The request's first output, and all its outputs from that one on, timed for the metrics. An error
+        before the first output is a plain HTTP error: nothing has been sent yet."""
         start = time.monotonic()
         stream = backend.generate(req)
         try:
-            first = await stream.__anext__()  # errors before the first token are plain HTTP errors
+            first = await stream.__anext__()
         except StopAsyncIteration:
             return error_response(EngineDeadError("the request ended without output"))
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        timing = _Timing(metrics, body.model, start)
+        return first, _timed(first, stream, _Timing(metrics, model, start))
+
+    async def _respond(req: GenerateRequest, body: Any, fmt: Format):
+        started = await _start(req, body.model)
+        if isinstance(started, JSONResponse):
+            return started
+        first, outputs = started
         if not body.stream:
-            last = first
-            async for out in stream:
-                last = out
-                timing.token(out)
-            timing.done(last)
+            async for last in outputs:
+                pass
             return JSONResponse(fmt.full(last))
 
         async def events() -> AsyncIterator[str]:
             deltas, last = CompletionDeltas(), first
             fmt.begin(first)
             try:
-                async for out in _achain(first, stream):
-                    timing.token(out)
-                    last = out
-                    for c, delta, ids, finished in deltas(out):  # a chunk per choice with news (n > 1: several)
+                async for last in outputs:
+                    for c, delta, ids, finished in deltas(last):  # a chunk per choice with news (n > 1: several)
                         chunk = fmt.chunk(delta, c, finished, ids)
                         if chunk is not None:
-                            yield _event(chunk, body, fmt, out)
+                            yield _event(chunk, body, fmt, last)
             except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band, then close
                 yield f"data: {error_response(exc).body.decode()}\n\n"
             else:
-                timing.done(last)
                 if (body.stream_options or {}).get("include_usage"):
                     yield f"data: {json.dumps(fmt.usage_chunk(last))}\n\n"
             yield "data: [DONE]\n\n"
@@ -249,6 +236,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    add_response_routes(app, backend, error_response, _start)
     app.state.metrics = metrics
     return app
 
@@ -260,10 +248,16 @@ def _event(chunk: dict, body: Any, fmt: Format, *outs: RequestOutput) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-async def _achain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+async def _timed(first: RequestOutput, rest: AsyncIterator[RequestOutput], timing: "_Timing"
+                 ) -> AsyncIterator[RequestOutput]:
+    """first, then rest, each counted as it comes; the request's totals once the last is through."""
+    last = first
+    timing.token(first)
     yield first
-    async for out in rest:
-        yield out
+    async for last in rest:
+        timing.token(last)
+        yield last
+    timing.done(last)
 
 
 class _Timing:

@@ -18,6 +18,17 @@ class AdapterNotFoundError(ClusterError, KeyError):
         return str(self.args[0]) if self.args else "adapter not found"
 
 
+class ResponseNotFoundError(ClusterError, KeyError):
+    """A response id this ingress does not hold (HTTP 404): never stored, evicted, or kept by another replica."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.fields = [field] if field else []  # the request field that named it (error_response's param)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class SourceUnavailableError(ClusterError, RuntimeError):
     """The origin (S3, the Hub) could not be reached or failed (HTTP 502/503); other adapters are unaffected."""
 

@@ -89,6 +89,13 @@ def test_models_completion_chat_streaming(serve_app):
                                             parallel_tool_calls=False)
     (call,) = called.choices[0].message.tool_calls
     assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    # the Responses API through the ingress: the chat's text, and a stored response continued by id
+    first = client.responses.create(model="demo-chat", input="hi", max_output_tokens=5, temperature=0)
+    assert first.output_text == chat.choices[0].message.content and first.usage.input_tokens == chat.usage.prompt_tokens
+    then = client.responses.create(model="demo-chat", input="and?", previous_response_id=first.id,
+                                   max_output_tokens=3, temperature=0)
+    assert then.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(then.id).output_text == then.output_text
 
 
 def test_adapter_loaded_from_s3_at_run_time(serve_app, s3_client, peft_adapter_dir):
