@@ -12,8 +12,16 @@ import torch
 from replicas.candidate_draw import draw_candidates, draw_candidates_reference, settings_row
 from replicas.seeded_noise import key_pairs, row_key
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: on the GPU where there is one
 
-def _case(rows: int, width: int, seed: int, device: str = "cpu"):
+
+def _kernel(*tensors: torch.Tensor) -> torch.Tensor:
+    from replicas.kernels.candidate_draw import draw_candidates as kernel
+
+    return kernel(*(t.to(DEVICE) for t in tensors)).cpu()
+
+
+def _case(rows: int, width: int, seed: int):
     """Random candidates (sorted, as torch.topk gives them), ids, settings over their whole ranges, keys."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -23,26 +31,21 @@ def _case(rows: int, width: int, seed: int, device: str = "cpu"):
                                           rng.choice([1.0, 0.95, 0.5, 1e-4]), rng.choice([0.0, 0.0, 0.05, 0.3]))
                              for _ in range(rows)], dtype=torch.float32)
     pairs = torch.tensor(key_pairs([rng.getrandbits(64) for _ in range(rows)]), dtype=torch.int64)
-    return tuple(t.to(device) for t in (values, ids, settings, pairs))
+    return values, ids, settings, pairs
 
 
 @pytest.mark.parametrize("rows,width,seed", [(24, 50, 0), (6, 1024, 1), (40, 7, 2), (3, 1, 3), (8, 33, 4)])
 def test_the_kernel_draws_the_references_tokens(rows, width, seed):
-    from replicas.kernels.candidate_draw import draw_candidates as kernel
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    case = _case(rows, width, seed, device)
-    want = draw_candidates_reference(*(t.cpu() for t in case))
-    got = kernel(*case).cpu()
+    case = _case(rows, width, seed)
+    want = draw_candidates_reference(*case)
+    got = _kernel(*case)
     assert got.dtype == torch.int64 and torch.equal(got, want)
-    assert width == 1 or (want != case[1][:, 0].cpu()).any()  # some rows drew past their most likely token
+    assert width == 1 or (want != case[1][:, 0]).any()  # some rows drew past their most likely token
 
 
 def test_an_empty_group():
-    from replicas.kernels.candidate_draw import draw_candidates as kernel
-
     values, ids, settings, pairs = _case(1, 5, 0)
-    assert kernel(values[:0], ids[:0], settings[:0], pairs[:0]).shape == (0,)
+    assert _kernel(values[:0], ids[:0], settings[:0], pairs[:0]).shape == (0,)
 
 
 PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]
@@ -76,9 +79,7 @@ def test_the_reference_draws_from_the_masked_distribution(kw, want):
 
 
 def test_the_kernel_draws_from_the_masked_distribution():
-    from replicas.kernels.candidate_draw import draw_candidates as kernel
-
-    got = _frequencies(kernel, 3000, top_k=4, top_p=0.9)  # keeps 0.4, 0.3, 0.15 (0.85 < 0.9), 0.1
+    got = _frequencies(_kernel, 3000, top_k=4, top_p=0.9)  # keeps 0.4, 0.3, 0.15 (0.85 < 0.9), 0.1
     want = _renormalised(PROBS[:4] + [0])
     assert all(abs(g - w) < 0.03 for g, w in zip(got, want)), (got, want)
     assert got[4] == 0
@@ -99,9 +100,7 @@ def test_masked_candidates_are_never_drawn():
     ids = torch.arange(4).expand(500, -1).contiguous()
     settings = torch.tensor([settings_row(1.0, 4, 1.0, 0.0)]).expand(500, -1).contiguous()
     pairs = torch.tensor(key_pairs([row_key(3, d) for d in range(500)]), dtype=torch.int64)
-    from replicas.kernels.candidate_draw import draw_candidates as kernel
-
-    for draw in (draw_candidates_reference, kernel):
+    for draw in (draw_candidates_reference, _kernel):
         assert set(draw(values, ids, settings, pairs).tolist()) == {0, 1}
 
 
