@@ -7,6 +7,7 @@ engine (dummy bf16 weights, no LoRA) over the same requests once per setting, si
 
     greedy     temperature 0
     random     temperature 0.8, top_p 0.95, top_k 50, seeded
+    nucleus    temperature 0.8, top_p 0.95, no top_k (the OpenAI clients' form: a sort of the vocabulary)
     penalties  random + repetition 1.1, frequency 0.3, presence 0.3 (they read every row's prompt and output)
     logprobs   random + the top 5 logprobs of every token
     stops      random + two stop strings and a stop token id that never match (the matching is the cost)
@@ -39,6 +40,7 @@ RANDOM = dict(temperature=0.8, top_p=0.95, top_k=50)
 SETTINGS = {
     "greedy": dict(temperature=0.0),
     "random": RANDOM,
+    "nucleus": dict(temperature=0.8, top_p=0.95),
     "penalties": dict(RANDOM, repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.3),
     "logprobs": dict(RANDOM, logprobs=5),
     "stops": dict(RANDOM, stop=["\x07never\x07", "zz top zz"], stop_token_ids=[1]),  # 1: BOS, never sampled here
