@@ -8,8 +8,9 @@ bf16 as the model writes them), each sequence with `--outputs` tokens generated 
     python bench/sampler_host.py --rows 32 --vocab 128256
 
 Prints, per setting (bench/sampling_settings.py's SETTINGS): the host time of the call (p50 over --iters,
-the GPU idle before each call, nothing waited for after it), the GPU time of its kernels (CUDA events around
-the call, p50), and each one's ratio to greedy. On CPU (--device cpu) the host time includes the work.
+nothing waited for after it), the GPU time of its kernels (CUDA events around the call, p50: a sleep kernel
+queued first holds the GPU until the host has queued them all, so launch gaps do not count), and each one's
+ratio to greedy. On CPU (--device cpu) the host time includes the work.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def sequences(setting: str, rows: int, prompt: int, outputs: int) -> list[Sequen
     return seqs
 
 
+# ~10 ms at 2 GHz: longer than any setting's host time, so the GPU starts the call's kernels once all are queued
+HOLD_CYCLES = 20_000_000
+
+
 def time_setting(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], iters: int) -> dict[str, float]:
     cuda = logits.is_cuda
     host, gpu = [], []
@@ -46,6 +51,7 @@ def time_setting(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], i
         if cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(HOLD_CYCLES)
             start.record()
         t = time.perf_counter()
         out = sampler.sample(logits, seqs)

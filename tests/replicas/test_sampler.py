@@ -224,10 +224,13 @@ def test_sampling_never_waits_for_the_gpu():
     masks = torch.full((6, 10), -1, dtype=torch.int32).pin_memory()
     masks[5] = 0
     masks[5, 0] = 1 << 8  # row 5: token 8 only
+    nucleus = [SamplingParams(temperature=0.8, top_p=0.9, seed=3), SamplingParams(temperature=0.8, top_p=0.5)]
+    wide = torch.randn(2, 128_256, device="cuda")  # top_p without top_k: the vocabulary's sort, at full width
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = Sampler().sample(logits, seqs, token_masks=masks)
+        Sampler().sample(wide, seqs_for(nucleus))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     ids = out.token_ids.tolist()
