@@ -4,9 +4,10 @@ Order of operations (as in vLLM): penalties; min_tokens (EOS and the stop
 token ids masked until that many tokens were generated), bad_words, logit_bias
 and allowed_token_ids; the structured-output masks (replicas/grammar.py); then
 greedy argmax for temperature-0 rows, and for the others temperature, min_p,
-top_k, top_p and a draw (among torch.topk's candidates where top_k is small,
-in one launch on CUDA: replicas/candidate_draw.py; else over the sorted
-vocabulary). Logprobs are taken from the raw model logits
+top_k, top_p and a draw: among torch.topk's candidates where top_k is small
+(replicas/candidate_draw.py), over the vocabulary without a sort where top_k
+is off (replicas/nucleus_draw.py), each in one launch on CUDA; else over the
+sorted vocabulary. Logprobs are taken from the raw model logits
 (log_softmax before any penalty or temperature), as vLLM returns them by
 default.
 
@@ -36,6 +37,7 @@ import torch
 
 from replicas.grammar import apply_token_masks
 from replicas.sampling_params import SamplingParams
+from replicas import nucleus_draw
 from replicas.candidate_draw import draw_candidates, settings_row
 from replicas.seeded_noise import exponentials, key_pairs
 from replicas.sequence import Sequence
@@ -127,8 +129,10 @@ class Sampler:
         logits = restricted
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         few = [i for i in random_rows if 0 < params[i].top_k <= TOP_K_CANDIDATES]
-        rest = [i for i in random_rows if not 0 < params[i].top_k <= TOP_K_CANDIDATES]
-        draws = [(group, draw) for group, draw in ((few, self._draw_top_k), (rest, self._draw_vocab)) if group]
+        nucleus = [i for i in random_rows if params[i].top_k_or_off == 0]
+        rest = [i for i in random_rows if params[i].top_k > TOP_K_CANDIDATES]
+        draws = [(group, draw) for group, draw in
+                 ((few, self._draw_top_k), (nucleus, self._draw_nucleus), (rest, self._draw_vocab)) if group]
         if len(draws) == 1 and len(draws[0][0]) == n:  # one kind of draw for every row: no gather, no scatter
             token_ids = draws[0][1](logits, _noise_keys(seqs), params)
         else:
@@ -221,7 +225,16 @@ class Sampler:
         return draw_candidates(values, ids, settings, _on(key_pairs(keys), torch.long, logits.device))
 
     @staticmethod
+    def _draw_nucleus(logits: torch.Tensor, keys: list[int], params: Seq[SamplingParams]) -> torch.Tensor:
+        """Rows without top_k: min_p and top_p over the whole vocabulary, without sorting it
+        (replicas/nucleus_draw.py)."""
+        settings = _on([nucleus_draw.settings_row(p.temperature, p.top_p, p.min_p) for p in params], torch.float32,
+                       logits.device)
+        return nucleus_draw.draw_nucleus(logits, settings, _on(key_pairs(keys), torch.long, logits.device))
+
+    @staticmethod
     def _draw_vocab(logits: torch.Tensor, keys: list[int], params: Seq[SamplingParams]) -> torch.Tensor:
+        """Rows with top_k above TOP_K_CANDIDATES: top_k and top_p on the sorted vocabulary."""
         logits = logits / _column([p.temperature for p in params], logits)
 
         if any(p.min_p > 0 for p in params):
@@ -230,11 +243,7 @@ class Sampler:
             too_small = probs < min_p * probs.amax(dim=-1, keepdim=True)
             logits = logits.masked_fill(too_small, float("-inf"))
 
-        top_k = [p.top_k_or_off for p in params]
-        top_p = [p.top_p for p in params]
-        if any(top_k) or any(p < 1 for p in top_p):
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
-
+        logits = _apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         return _gumbel_argmax(logits.softmax(dim=-1), keys)
 
     @staticmethod
