@@ -1,4 +1,4 @@
-"""A seeded request's sampling noise from a counter-based hash: one launch for every seeded row of a step.
+"""Sampling noise from a counter-based hash: one launch for every row of a step, seeded or not.
 
 Why: the sampler draws argmax(p / q) with q ~ Exp(1) (replicas/sampler.py), and a request with a seed must
 draw the same tokens whatever shares its batch. Each seeded row drew its q from a torch.Generator of its
@@ -6,7 +6,9 @@ own: one call, with its Python and launch cost, per row and step. On the 1B shap
 ~1.7 ms, 32 seeded rows made random sampling cost 1.9 x a greedy step (bench/sampling_settings.py,
 RESULTS.md twenty-seventh session). Here q is a function of (seed, the draw's number, the column): the host
 turns each row's (seed, draw) into a 64-bit key, and one kernel hashes every (key, column) pair of the step.
-Neighbours cannot change a row's noise, and CPU and GPU draw the same noise for a seed.
+Neighbours cannot change a row's noise, and CPU and GPU draw the same noise for a seed. A row without a
+seed hashes a fresh random key the same way (replicas/sampler.py), so every row of a step shares one launch;
+the draws that fuse it (replicas/kernels/candidate_draw.py, nucleus_draw.py) compute it in place.
 
     q[i, j] = -log(u),  u = ((h >> 8) + 0.5) / 2^24,  h = mix(mix((j + a_i) mod 2^32) xor b_i)
 
