@@ -25,7 +25,6 @@ import torch
 from replicas.seeded_noise import exponentials_reference
 
 
-
 def settings_row(temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
     """A row of `settings`. min_p goes as its logarithm: the mask reads logits (p < min_p * p_max <=> l < l_max
     + ln(min_p)), and the host takes the log of 0 as -inf where a kernel's log(0) would need a guard."""

@@ -35,10 +35,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from replicas import candidate_draw, nucleus_draw
 from replicas.grammar import apply_token_masks
 from replicas.sampling_params import SamplingParams
-from replicas import nucleus_draw
-from replicas.candidate_draw import draw_candidates, settings_row
 from replicas.seeded_noise import exponentials, key_pairs
 from replicas.sequence import Sequence
 
@@ -139,7 +138,8 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
             for group, draw in draws:
                 rows = _on(group, torch.long, logits.device)
-                token_ids[rows] = draw(logits[rows], _noise_keys([seqs[i] for i in group]), [params[i] for i in group])
+                keys = _noise_keys([seqs[i] for i in group])
+                token_ids[rows] = draw(logits[rows], keys, [params[i] for i in group])
 
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplerOutput(token_ids, n, self._logprobs(raw, token_ids, want, params, n) if want else None)
@@ -220,9 +220,9 @@ class Sampler:
         vocabulary); temperature, min_p and top_p then apply to those candidates (replicas/candidate_draw.py).
         Temperature > 0 keeps the order, so the candidates are taken from the raw logits."""
         values, ids = logits.topk(max(p.top_k for p in params), dim=-1)  # most likely first
-        settings = _on([settings_row(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], torch.float32,
-                       logits.device)
-        return draw_candidates(values, ids, settings, _on(key_pairs(keys), torch.long, logits.device))
+        settings = _on([candidate_draw.settings_row(p.temperature, p.top_k, p.top_p, p.min_p) for p in params],
+                       torch.float32, logits.device)
+        return candidate_draw.draw_candidates(values, ids, settings, _on(key_pairs(keys), torch.long, logits.device))
 
     @staticmethod
     def _draw_nucleus(logits: torch.Tensor, keys: list[int], params: Seq[SamplingParams]) -> torch.Tensor:
