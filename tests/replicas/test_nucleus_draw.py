@@ -37,7 +37,7 @@ def _case(rows: int, vocab: int, seed: int, spread: float = 1.0):
 
 @pytest.mark.parametrize("rows,vocab,spread,seed", [
     (16, 3000, 1.0, 0),  # flat rows: the first draws mostly fall outside the nucleus
-    (8, 2048, 4.0, 1),  # peaked rows, exactly one block
+    (8, 4096, 4.0, 1),  # peaked rows, exactly one block (the kernel's BLOCK)
     (5, 4097, 2.0, 2),  # a block and one column
     (12, 37, 1.0, 3),  # less than a block
     (3, 1, 1.0, 4),
