@@ -87,7 +87,7 @@ class LLMEngine:
                             max_loras=args.max_loras if args.enable_lora else 0, max_model_len=self.max_model_len,
                             policy=args.scheduling_policy),
             BlockManager(self.executor.runner.num_blocks, args.block_size, args.enable_prefix_caching))
-        self.sampler = Sampler()
+        self.sampler = Sampler(args.seed)
         self.grammars = GrammarBackend(self.tokenizer, mc.vocab_size)
         self._eos = tuple(mc.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                                is not None else ())

@@ -34,6 +34,9 @@ class EngineArgs:
     # preemption takes the least urgent running one (replicas/scheduler.py), as vLLM's scheduling_policy.
     scheduling_policy: str = "fcfs"
     load_format: str = "auto"  # "dummy": random weights (benchmarks)
+    # The noise of requests that give no seed, as vLLM's --seed: set, the same requests met in the same steps
+    # draw the same tokens run after run; None: fresh bits from the OS.
+    seed: int | None = None
     distributed_executor_backend: str | None = None  # "mp" (default) or "module:Class", e.g. the Ray executor
     enforce_eager: bool = False  # GPU: no CUDA graphs at all (slower; for debugging)
     # As vLLM's compilation_config.cudagraph_mode: "full_and_piecewise" (default) replays decode steps

@@ -97,6 +97,10 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        # Keys of rows without a seed of their own: any random bits do; seeded, the same bits run after run.
+        self._fresh_keys = random.Random(seed)
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -133,16 +137,21 @@ class Sampler:
         draws = [(group, draw) for group, draw in
                  ((few, self._draw_top_k), (nucleus, self._draw_nucleus), (rest, self._draw_vocab)) if group]
         if len(draws) == 1 and len(draws[0][0]) == n:  # one kind of draw for every row: no gather, no scatter
-            token_ids = draws[0][1](logits, _noise_keys(seqs), params)
+            token_ids = draws[0][1](logits, self._noise_keys(seqs), params)
         else:
             token_ids = logits.argmax(dim=-1)
             for group, draw in draws:
                 rows = _on(group, torch.long, logits.device)
-                keys = _noise_keys([seqs[i] for i in group])
+                keys = self._noise_keys([seqs[i] for i in group])
                 token_ids[rows] = draw(logits[rows], keys, [params[i] for i in group])
 
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplerOutput(token_ids, n, self._logprobs(raw, token_ids, want, params, n) if want else None)
+
+    def _noise_keys(self, seqs: Seq[Sequence]) -> list[int]:
+        """Each row's noise key for this draw: a seeded request's own (Sequence.take_noise_key), else fresh bits."""
+        keys = [seq.take_noise_key() for seq in seqs]
+        return [self._fresh_keys.getrandbits(64) if key is None else key for key in keys]
 
     # -- steps ------------------------------------------------------------
     @staticmethod
@@ -276,16 +285,6 @@ class Sampler:
             return out
 
         return read
-
-
-# Keys of rows without a seed: any random bits do (seeded from the OS at import: spawned processes differ).
-_FRESH_KEYS = random.Random()
-
-
-def _noise_keys(seqs: Seq[Sequence]) -> list[int]:
-    """Each row's noise key for this draw: a seeded request's own (Sequence.take_noise_key), else fresh bits."""
-    keys = [seq.take_noise_key() for seq in seqs]
-    return [_FRESH_KEYS.getrandbits(64) if key is None else key for key in keys]
 
 
 def _gumbel_argmax(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:

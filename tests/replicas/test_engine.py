@@ -334,3 +334,21 @@ def test_adapter_on_embeddings_and_lm_head_matches_peft(demo, tmp_path):
     assert got.token_ids == want_tokens
     assert max(abs(step[t] - w) for step, t, w in zip(got.logprobs, got.token_ids, want_lps)) < 2e-3
     assert out[1].outputs[0].token_ids != want_tokens  # the adapter changed the output
+
+
+def test_engine_seed_makes_unseeded_sampling_repeat(demo):
+    """EngineArgs.seed (vLLM's --seed): requests without a seed draw the same tokens in a second engine with the
+    same seed, and other tokens with another seed; a request's own seed is its own either way."""
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9), SamplingParams(max_tokens=12, top_k=20),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=5)]
+
+    def tokens(seed):
+        llm = LLM(str(demo.model_dir), dtype="float32", seed=seed)
+        try:
+            return [out.outputs[0].token_ids for out in llm.generate(PROMPTS[:3], params)]
+        finally:
+            llm.shutdown()
+
+    first, again, other = tokens(7), tokens(7), tokens(8)
+    assert first == again
+    assert first[:2] != other[:2] and first[2] == other[2]
