@@ -52,8 +52,8 @@ class ServerConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineArgs fields
     default_max_tokens: int = 256
     preload_adapters: dict[str, str] = field(default_factory=dict)  # name -> uri, registered at start
-    # The model family's tool-call syntax, for chat's tool_choice "auto": "hermes", "llama3_json" or "mistral"
-    # (cluster/tool_parsers.py); None refuses "auto".
+    # The model family's tool-call syntax, for chat's tool_choice "auto": "hermes", "llama3_json", "mistral" or
+    # "pythonic" (cluster/tool_parsers.py); None refuses "auto".
     tool_call_parser: str | None = None
     # The model family's thinking syntax, returned apart as reasoning_content: "deepseek_r1" or "qwen3"
     # (cluster/reasoning.py); None: the whole output is content.

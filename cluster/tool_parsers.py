@@ -11,6 +11,9 @@
   Mistral Small 3.2, Magistral) as name[ARGS]{...} after a [TOOL_CALLS] each. A special token is left out
   of the text by default, so the server keeps them in the text of a request this parser reads
   (needs_special_tokens).
+- "pythonic" (Llama 3.2 1B / 3B Instruct, Llama 4): the whole output is a Python list of calls with keyword
+  arguments, [get_weather(city="Paris", days=2), get_time()], which Llama 4 may wrap in <|python_start|> and
+  <|python_end|>. It is read with Python's ast, never run: each argument must be a literal.
 
 A parser reads a finished output (parse) and, while it streams, says how much of it is surely content
 (content_end): the rest may be the start of a call, and is held back until the output says which.
@@ -18,7 +21,9 @@ A parser reads a finished output (parse) and, while it streams, says how much of
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 from typing import Any, Protocol
 
@@ -151,7 +156,78 @@ class MistralParser:
         return start if start >= 0 else len(text) - held_prefix(text, self.TAG)
 
 
-PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+def _literal(node: ast.expr) -> Any:
+    """A call argument's value as JSON data; ValueError where it is not a literal that JSON can hold."""
+    if isinstance(node, ast.Constant) and (node.value is None or type(node.value) in (str, bool, int, float)):
+        value = node.value
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and \
+            isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+        value = -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value  # -1 is not a Constant
+    elif isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(item) for item in node.elts]
+    elif isinstance(node, ast.Dict):
+        keys = [None if key is None else _literal(key) for key in node.keys]  # None: a **splat
+        if not all(isinstance(key, str) for key in keys):
+            raise ValueError("a dict argument's keys must be strings")
+        return dict(zip(keys, (_literal(item) for item in node.values)))
+    else:
+        raise ValueError(f"not a literal: {ast.dump(node)[:80]}")
+    if isinstance(value, float) and not math.isfinite(value):  # 1e999: JSON has no infinity
+        raise ValueError("not a finite number")
+    return value
+
+
+def _python_call(node: ast.expr) -> Call:
+    """name(keyword=literal, ...) as a call; ValueError for anything else."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+        raise ValueError("not a call of a plain name")  # as vLLM: a.b(...) is no call
+    if node.args:
+        raise ValueError("positional arguments have no name for the JSON object")
+    arguments: dict[str, Any] = {}
+    for keyword in node.keywords:
+        if keyword.arg is None or keyword.arg in arguments:  # **splat; a repeat, which Python refuses too
+            raise ValueError("arguments must be distinct keywords")
+        arguments[keyword.arg] = _literal(keyword.value)
+    return node.func.id, arguments
+
+
+class PythonicParser:
+    START, END = "<|python_start|>", "<|python_end|>"  # Llama 4's, special and optional
+    needs_special_tokens = False
+    # The output must open as a call list does. parse asks for it too, so that text content_end let go as
+    # content can never turn out to be calls.
+    _HEAD = re.compile(r"\[\s*[^\W\d]\w*\s*\(")
+    _PARTIAL_HEAD = re.compile(r"\[\s*(?:[^\W\d]\w*\s*)?")  # a prefix of _HEAD that may still become one
+
+    def _calls_text(self, text: str) -> str:
+        rest = text.strip()
+        if rest.startswith(self.START):
+            rest = rest[len(self.START):].lstrip()
+        return rest
+
+    def parse(self, text: str) -> tuple[str | None, list[Call]] | None:
+        rest = self._calls_text(text)
+        if rest.endswith(self.END):
+            rest = rest[: -len(self.END)]
+        if not self._HEAD.match(rest):
+            return None
+        try:
+            tree = ast.parse(rest, mode="eval")  # one expression, parsed only: nothing is evaluated
+            if not isinstance(tree.body, ast.List):
+                return None
+            return None, [_python_call(item) for item in tree.body.elts]
+        except (SyntaxError, ValueError, RecursionError):
+            return None
+
+    def content_end(self, text: str) -> int:
+        rest = self._calls_text(text)
+        if self.START.startswith(rest) or self._HEAD.match(rest) or self._PARTIAL_HEAD.fullmatch(rest):
+            return 0  # a call list may be what this output is: wait for it
+        return len(text)
+
+
+PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
+                            "pythonic": PythonicParser}
 
 
 def tool_parser(name: str | None) -> ToolParser | None:

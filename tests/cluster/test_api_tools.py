@@ -125,6 +125,13 @@ def test_calls_read_back_and_messages_as_templates_read_them():
     assert render_chat([{"role": "user", "content": "hi"}], template, tools=[WEATHER, TIME]) == "[2 tools]hi"
 
 
+def _say(c, text, **kw):
+    """A chat with both tools under tool_choice "auto" whose output is text: a one-string choice
+    (structured_outputs) holds the demo's random weights to it."""
+    return c.chat.completions.create(**dict(CHAT, max_tokens=256), tools=[WEATHER, TIME],
+                                     extra_body={"structured_outputs": {"choice": [text]}}, **kw)
+
+
 @pytest.fixture(scope="module")
 def hermes_stack(tmp_path_factory):
     """A server that reads tool calls in Hermes' syntax (server.tool_call_parser: hermes)."""
@@ -139,12 +146,9 @@ def test_auto_finds_the_calls_the_model_chose_to_make(hermes_stack):
             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>')
 
     async def go(c):
-        def ask(text, **kw):
-            return c.chat.completions.create(**dict(CHAT, max_tokens=256), tools=[WEATHER, TIME],
-                                             extra_body={"structured_outputs": {"choice": [text]}}, **kw)
-        called = await ask(said)
-        streamed = [ch async for ch in await ask(said, stream=True)]
-        plain = await ask("It is sunny.")
+        called = await _say(c, said)
+        streamed = [ch async for ch in await _say(c, said, stream=True)]
+        plain = await _say(c, "It is sunny.")
         return called, streamed, plain
 
     called, streamed, plain = run(hermes_stack, go)
@@ -190,3 +194,37 @@ def test_mistral_calls_are_read_with_special_tokens_kept(mistral_stack, monkeypa
         ("get_time", {"zone": "UTC"})]
     assert seen[0].sampling["skip_special_tokens"] is False
     assert seen[1].sampling.get("skip_special_tokens") in (None, True)  # no tools: as the client left it
+
+
+@pytest.fixture(scope="module")
+def pythonic_stack(tmp_path_factory):
+    """A server that reads tool calls written as a Python list (server.tool_call_parser: pythonic)."""
+    yield from open_stack(tmp_path_factory, tool_call_parser="pythonic")
+
+
+def test_pythonic_calls_come_back_with_json_arguments(pythonic_stack):
+    """Llama 3.2 / Llama 4 write [name(key=value, ...), ...]: each call comes back with its keywords as a JSON
+    object, whole or streamed, and the stream never shows the list as text; a list that is no call list stays text."""
+    said = '[get_time(zone="UTC"), get_weather(city="Oslo, [N]", days=2)]'
+
+    async def go(c):
+        called = await _say(c, said)
+        streamed = [ch async for ch in await _say(c, said, stream=True)]
+        plain = [ch async for ch in await _say(c, "[1, 2] are the numbers.", stream=True)]
+        return called, streamed, plain
+
+    called, streamed, plain = run(pythonic_stack, go)
+    expected = [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo, [N]", "days": 2})]
+    message = called.choices[0].message
+    assert called.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == expected
+    deltas = [ch.choices[0] for ch in streamed if ch.choices]
+    assert not any(d.delta.content for d in deltas)  # the call list never leaked as text
+    calls = [t for d in deltas for t in (d.delta.tool_calls or [])]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (k, name, args) for k, (name, args) in enumerate(expected)]
+    assert deltas[-1].finish_reason == "tool_calls"
+    deltas = [ch.choices[0] for ch in plain if ch.choices]
+    assert "".join(d.delta.content or "" for d in deltas) == "[1, 2] are the numbers."
+    assert sum(bool(d.delta.content) for d in deltas) > 1  # let go once it could be no call list, not at the end
+    assert not any(d.delta.tool_calls for d in deltas) and deltas[-1].finish_reason == "stop"

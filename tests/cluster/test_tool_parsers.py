@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.server import ServerConfig
-from cluster.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, tool_parser
+from cluster.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, PythonicParser, tool_parser
 
 
 def test_hermes_finds_each_block_after_the_content():
@@ -64,12 +64,57 @@ def test_mistral_streams_what_cannot_start_a_call(partial, content):
     assert partial[: MistralParser().content_end(partial)] == content
 
 
+@pytest.mark.parametrize("text, calls", [
+    ('[get_weather(city="Paris", unit="c")]', [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ('[get_weather(city="Paris"), get_time(zone="UTC")]', [("get_weather", {"city": "Paris"}),
+                                                           ("get_time", {"zone": "UTC"})]),
+    ("[get_time()]", [("get_time", {})]),
+    ('[f(xs=[1, -2.5, (3, 4)], opts={"deep": {"on": True, "off": False, "none": None}}, n=+7)]',
+     [("f", {"xs": [1, -2.5, [3, 4]], "opts": {"deep": {"on": True, "off": False, "none": None}}, "n": 7})]),
+    ("[f(q='a], b(c=1), \"quoted\"', r=\"it's [x]\")]", [("f", {"q": 'a], b(c=1), "quoted"', "r": "it's [x]"})]),
+    ('\n [\n  f(s="""two\nlines"""),  # Python\'s own comments and layout\n  g(),\n]\n',
+     [("f", {"s": "two\nlines"}), ("g", {})]),
+    ('<|python_start|>[get_time(zone="CET")]<|python_end|>', [("get_time", {"zone": "CET"})]),  # Llama 4
+    ("<|python_start|> [get_time()]", [("get_time", {})]),
+])
+def test_pythonic_reads_a_list_of_calls_with_literal_keywords(text, calls):
+    assert PythonicParser().parse(text) == (None, calls)
+
+
+@pytest.mark.parametrize("text", [
+    "It is sunny.", "[1, 2, 3]", "[]", '["get_time()"]', "[get_time]",
+    '[get_weather("Paris")]',  # positional: a JSON object needs names
+    "[tools.get_time()]",  # a dotted name, which vLLM refuses too
+    '[f(x="a")', '[f(x="a)]', "[f(x=1)] and then text", "[f(x=1)]; g()", "Sure: [f(x=1)]",  # cut, broken, more
+    "[f(x=y)]", "[f(x=true)]", "[f(x=1 + 2)]", '[f(x=f"{y}")]', "[f(x=b'raw')]", "[f(x=1e999)]", "[f(x=1j)]",
+    "[f(**kw)]", "[f(x=1, x=2)]", "[f(x={1: 2})]", "[f(x={**d})]", "[f(x=[*xs])]", "[f(x=1) for f in fs]",
+    "[f(x=__import__('os').system('true'))]",  # read, never run
+])
+def test_pythonic_leaves_anything_else_as_text(text):
+    assert PythonicParser().parse(text) is None
+
+
+@pytest.mark.parametrize("partial, content", [
+    ("", ""), ("  ", ""), ("[", ""), ("[get_wea", ""), ("[ get_weather (", ""), ('[get_weather(city="Par', ""),
+    ("<|python_st", ""), ("<|python_start|>[get", ""),  # each may still be a call list: held
+    ("Hello", "Hello"), ("[1, 2", "[1, 2"), ("[]", "[]"), ("[a b", "[a b"), ("[tools.get", "[tools.get"),
+    ("[Paris](https://", "[Paris](https://"), ("Sure: [f(", "Sure: [f("),  # none of them can become one: sent
+])
+def test_pythonic_holds_back_an_output_that_may_be_a_call_list(partial, content):
+    parser = PythonicParser()
+    assert partial[: parser.content_end(partial)] == content
+    if content:  # what went out as content never turns into calls, however the output goes on
+        assert parser.parse(partial + "x(a=1)]") is None and parser.parse(partial + "]") is None
+
+
 def test_the_parser_is_a_server_setting():
     assert ServerConfig().tool_parser is None and isinstance(ServerConfig(tool_call_parser="hermes").tool_parser,
                                                                HermesParser)
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerConfig(tool_call_parser="nope")
     assert tool_parser("llama3_json") is not None
+    assert isinstance(ServerConfig(tool_call_parser="pythonic").tool_parser, PythonicParser)
+    assert not PythonicParser.needs_special_tokens  # Llama 4's markers are optional: dropped, the list still reads
 
 
 def test_hermes_content_is_the_streamed_text_before_the_call():
