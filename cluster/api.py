@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI), over any backend with LoRAServer's methods.
 
 Routes: /v1/completions, /v1/chat/completions (SSE streaming with `stream`),
-/v1/responses and /v1/responses/{id} (OpenAI's Responses API over the chat path: cluster/responses.py),
+/v1/responses, /v1/responses/{id} (GET, DELETE) and /v1/responses/{id}/input_items (OpenAI's Responses API
+over the chat path: cluster/responses.py),
 /v1/models, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
 /health and /metrics, vLLM's /tokenize and /detokenize (cluster/token_routes.py).
 This is the one place where domain errors become HTTP status codes.

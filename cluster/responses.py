@@ -1,21 +1,20 @@
-"""OpenAI's Responses API, as vLLM serves it: POST /v1/responses and GET /v1/responses/{response_id}.
+"""OpenAI's Responses API, as vLLM serves it: POST /v1/responses, and for a stored response GET and DELETE
+/v1/responses/{response_id} and GET /v1/responses/{response_id}/input_items.
 
 A response runs as a chat completion: the request is translated into one (cluster/responses_protocol.py),
 which runs through the chat path (cluster/chat_request.py: sampling, tool plan, structured outputs, reasoning
 parser), and its output comes back as output items and, streamed, as Responses events
 (cluster/responses_output.py).
 
-Finished responses are kept (store true, the default) in a ResponseStore on the ingress replica that served
-them: a bounded LRU in memory, not shared between ingress replicas and lost on restart. It is what GET
-/v1/responses/{id} reads and what previous_response_id continues: the stored conversation (every earlier
-turn's input and output items) comes before the new input.
+Finished responses are kept (store true, the default) in a ResponseStore (cluster/response_store.py) on the
+ingress replica that served them: a bounded LRU in memory, not shared between ingress replicas and lost on
+restart. It is what the GET and DELETE routes read and what previous_response_id continues: the stored
+conversation (every earlier turn's input and output items) comes before the new input.
 """
 
 from __future__ import annotations
 
-import collections
 import json
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
@@ -23,53 +22,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.chat_request import chat_generation
 from cluster.errors import ResponseNotFoundError
+from cluster.response_store import ResponseStore, input_page, stored_inputs
 from cluster.responses_output import ResponseWriter
 from cluster.responses_protocol import ResponsesRequest
 from cluster.server import GenerateRequest
 from replicas.errors import InvalidRequestError
 from replicas.outputs import CompletionDeltas, RequestOutput
 
-# Responses an ingress replica keeps, counted, not weighed: each holds its conversation's items up to then.
-STORE_SIZE = 1024
-
 Outputs = tuple[RequestOutput, AsyncIterator[RequestOutput]]
 Start = Callable[[GenerateRequest, str], Awaitable["Outputs | JSONResponse"]]
-
-
-@dataclass(frozen=True)
-class StoredResponse:
-    response: dict[str, Any]  # as GET /v1/responses/{id} returns it
-    items: list[dict[str, Any]]  # the conversation through this response: earlier turns, its input, its output
-
-
-class ResponseStore:
-    """Finished responses by id; past capacity, the least recently stored or read goes first."""
-
-    def __init__(self, capacity: int = STORE_SIZE) -> None:
-        if capacity < 1:
-            raise ValueError(f"a response store holds at least 1 response, got capacity {capacity}")
-        self.capacity = capacity
-        self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
-        self._entries[response["id"]] = StoredResponse(response, items)
-        self._entries.move_to_end(response["id"])
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
-
-    def get(self, response_id: str, field: str | None = None) -> StoredResponse:
-        """ResponseNotFoundError (naming field, where a request field gave the id) for one it does not hold."""
-        entry = self._entries.get(response_id)
-        if entry is None:
-            raise ResponseNotFoundError(
-                f"response {response_id!r} not found: it was not stored (store false), or is no longer kept (this "
-                f"ingress replica keeps its latest {self.capacity} responses in memory), or another replica "
-                f"served it", field)
-        self._entries.move_to_end(response_id)
-        return entry
 
 
 def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[BaseException], JSONResponse],
@@ -85,6 +46,7 @@ def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[Ba
             history = store.get(body.previous_response_id, "previous_response_id").items \
                 if body.previous_response_id is not None else []
             req, fmt = chat_generation(body.chat_request(history), backend)
+            inputs = history + stored_inputs(body.input_items(), history)
         except (InvalidRequestError, ResponseNotFoundError) as exc:
             return error_response(exc)
         started = await start(req, body.model)
@@ -95,7 +57,7 @@ def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[Ba
 
         def keep(response: dict[str, Any]) -> None:
             if body.store:
-                store.put(response, history + body.input_items() + response["output"])
+                store.put(response, inputs)
 
         if not body.stream:
             async for last in outputs:
@@ -128,4 +90,23 @@ def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[Ba
         try:
             return JSONResponse(store.get(response_id).response)
         except ResponseNotFoundError as exc:
+            return error_response(exc)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        try:
+            store.delete(response_id)
+        except ResponseNotFoundError as exc:
+            return error_response(exc)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    # The query's values are read as strings and checked by input_page, so that a bad one is a 400 that names
+    # it ("limit", not FastAPI's "query.limit") and says what it takes. include is accepted and ignored: nothing
+    # is kept that it could add.
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, limit: str | None = None, order: str = "desc",
+                               after: str | None = None):
+        try:
+            return JSONResponse(input_page(store.get(response_id).inputs, limit, order, after))
+        except (InvalidRequestError, ResponseNotFoundError) as exc:
             return error_response(exc)
