@@ -82,8 +82,10 @@ def _nucleus_kernel(logits_ptr, settings_ptr, pairs_ptr, out_ptr, vocab, stride,
             lane_above += tl.where(more, tl.exp(scaled - top), 0.0)
             scores = tl.where(more, scaled - tl.log(exp_noise(cols.to(tl.uint32), low, high)), -float("inf"))
             lane_best, lane_winner = _lane_argmax(lane_best, lane_winner, scores, cols)
-        inside = tl.sum(lane_above, axis=0) < top_p * total
-        # the most likely token has no mass above it: the loop ends there at the latest
+        above = tl.sum(lane_above, axis=0)
+        # Nothing above w: w is the most likely token, always inside, so every row ends, a row of NaN or -inf
+        # logits too (its total is NaN, no comparison with it holds). Else the next w is strictly above this one.
+        inside = (above == 0.0) | (above < top_p * total)
         winner = tl.where(inside, winner, _first_argmax(lane_best, lane_winner))
     tl.store(out_ptr + row, winner.to(tl.int64))
 

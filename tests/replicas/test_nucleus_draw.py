@@ -109,6 +109,18 @@ def test_masked_tokens_are_never_drawn():
         assert set(draw(logits, settings, _keys(100, 2)).tolist()) == {0, 2, 4}
 
 
+def test_a_row_without_a_finite_logit_ends():
+    """No token to draw (every logit -inf, or NaN from a broken model): the kernel still ends and answers a column,
+    instead of looping on a mass that no comparison can judge; the rows beside it draw as ever."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    logits[0] = -math.inf
+    logits[1] = math.nan
+    settings = torch.tensor([settings_row(1.0, 0.9, 0.0)] * 3)
+    got = _kernel(logits, settings, _keys(3, 4))
+    assert all(0 <= t < 50 for t in got.tolist())
+    assert got[2] == draw_nucleus_reference(logits[2:], settings[2:], _keys(3, 4)[2:])[0]
+
+
 def test_a_seeded_rows_token_is_its_own_whatever_the_batch():
     logits, settings, pairs = _case(10, 500, 6)
     alone = draw_nucleus(logits[4:5], settings[4:5], pairs[4:5])
