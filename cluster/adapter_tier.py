@@ -33,9 +33,10 @@ from lora_core.peft_helper import CONFIG_NAME
 
 logger = logging.getLogger(__name__)
 
-# The module suffixes a Llama-architecture model can take a LoRA on.
+# The module suffixes a Llama-architecture model can take a LoRA on; qkv_proj and gate_up_proj are the fused
+# modules of models that store them so (Phi-3), which the replicas split into q/k/v and gate/up.
 LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                      "embed_tokens", "lm_head")
+                      "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head")
 REGISTRY_FILE = "adapters.json"
 
 

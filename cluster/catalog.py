@@ -15,11 +15,8 @@ from pathlib import Path
 
 from cluster.errors import AdapterNotFoundError
 from cluster.sources import SourceSettings, parse_adapter_uri
+from cluster.adapter_tier import LLAMA_LORA_MODULES
 from lora_core.lora_model import LoRAModel
-
-# Every module name a Llama-family adapter may target (lora_core validates the rest).
-LLAMA_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                      "embed_tokens", "lm_head"]
 
 
 def validate_adapter_dir(path: Path) -> None:

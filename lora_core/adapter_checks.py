@@ -42,6 +42,9 @@ class ModuleTensors:
     a: tuple[str, torch.Tensor] | None = None  # [r, in]  (embedding: [r, vocab])
     b: tuple[str, torch.Tensor] | None = None  # [out, r] (embedding: [dim, r])
     bias: tuple[str, torch.Tensor] | None = None  # [out]
+    # A slice of a fused module (split_fused): the adapter's own module name, whose rank_pattern and
+    # alpha_pattern entries and scaling it keeps.
+    peft_name: str | None = None
 
 
 def parse_key(key: str) -> tuple[str, str, str, str | None] | None:
@@ -243,6 +246,7 @@ def check_fit(name: str, mt: ModuleTensors, specs: dict[str, tuple[LoRAModuleSpe
     if name not in specs:
         return [UnknownTargetModuleError(path, a_key, f"the served model has no LoRA-able module {name}")]
     spec, i = specs[name]
+    out_features = spec.out_features if i == FUSED else spec.out_slices[i]
     if (spec.kind == LoRAKind.EMBEDDING) != mt.embedding:
         stored = "embedding" if mt.embedding else "linear"
         return [AdapterShapeError(path, a_key, f"{name} is a {spec.kind.value} layer in the served model "
@@ -252,10 +256,10 @@ def check_fit(name: str, mt: ModuleTensors, specs: dict[str, tuple[LoRAModuleSpe
         problems.append(AdapterShapeError(
             path, a_key, f"shape {list(a.shape)}: input dim {a.shape[1]} does not fit {name} "
                          f"(in_features={spec.in_features})"))
-    if b.shape[0] != spec.out_slices[i]:
+    if b.shape[0] != out_features:
         problems.append(AdapterShapeError(
             path, b_key, f"shape {list(b.shape)}: output dim {b.shape[0]} does not fit {name} "
-                         f"(out_features={spec.out_slices[i]})"))
+                         f"(out_features={out_features})"))
     return problems
 
 
@@ -271,11 +275,48 @@ def config_problems(helper: PEFTHelper, expected: frozenset[str] | None,
     return problems
 
 
+# The slice index of a packed layer's own name in spec_index: the adapter's module covers every slice.
+FUSED = -1
+
+
 def spec_index(module_specs: Iterable[LoRAModuleSpec] | None) -> dict[str, tuple[LoRAModuleSpec, int]] | None:
-    """Sub-module name -> (its spec, its slice index), or None (no served model to check against)."""
+    """Sub-module name -> (its spec, its slice index), and a packed layer's own name -> (its spec, FUSED); or
+    None (no served model to check against)."""
     if module_specs is None:
         return None
-    return {sub: (spec, i) for spec in module_specs for i, sub in enumerate(spec.sub_module_names())}
+    index = {spec.name: (spec, FUSED) for spec in module_specs if spec.packed}
+    index.update({sub: (spec, i) for spec in module_specs for i, sub in enumerate(spec.sub_module_names())})
+    return index
+
+
+def split_fused(modules: dict[str, ModuleTensors], specs: dict[str, tuple[LoRAModuleSpec, int]] | None,
+                path: str) -> dict[str, ModuleTensors]:
+    """An adapter's fused modules (a packed layer's own name, as Phi-3 stores qkv_proj) as the layer's
+    sub-modules, which is how the rest of lora_core and the slots take them: each slice keeps the one A
+    (x A^T B^T cut by output rows is x A^T (B's rows)^T) and its rows of B and of the bias. Call after
+    check_fit: the shapes fit. Meta tensors (another part's) split as well."""
+    if specs is None:
+        return modules
+    out: dict[str, ModuleTensors] = {}
+    problems: list[InvalidAdapterError] = []
+    for name, mt in modules.items():
+        spec, i = specs.get(name, (None, None))
+        if i != FUSED:
+            out[name] = mt
+            continue
+        start = 0
+        for sub, width in zip(spec.sub_module_names(), spec.out_slices):
+            if sub in modules:
+                problems.append(CorruptAdapterError(path, mt.a[0], f"module {name} is given both fused and as "
+                                                                   f"its part {sub}"))
+            rows = slice(start, start + width)
+            (b_key, b), bias = mt.b, mt.bias
+            out[sub] = ModuleTensors(mt.embedding, mt.a, (f"{b_key}[{start}:{start + width}]", b[rows]),
+                                     None if bias is None else (f"{bias[0]}[{start}:{start + width}]", bias[1][rows]),
+                                     peft_name=name)
+            start += width
+    raise_problems(path, problems)
+    return out
 
 
 def checked_modules(tensors: Mapping[str, torch.Tensor], helper: PEFTHelper, path: str,

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lora_core.adapter_checks import (ModuleTensors, checked_modules, config_problems, data_all_finite, spec_index,
-                                      value_problems)
+                                      split_fused, value_problems)
 from lora_core.adapter_structure import AdapterStructures, CheckedStructure, ModuleKeys, read_header, value_layout
 from lora_core.config import LoRAConfig
 from lora_core.errors import AdapterFileMissingError, CorruptAdapterError, UnsafeAdapterFormatError
@@ -91,13 +91,14 @@ def _build(modules: dict[str, ModuleTensors], helper: PEFTHelper, device: torch.
         (_, a), (_, b) = mt.a, mt.b
         if is_other_part(a):
             continue
+        peft_name = mt.peft_name or name  # a fused module's slices keep its patterns (split_fused)
         loras[name] = LoRALayerWeights(
             module_name=name,
             rank=a.shape[0],
-            lora_alpha=helper.alpha_for(name),
+            lora_alpha=helper.alpha_for(peft_name),
             lora_a=own(a, device, dtype).t(),  # [in, r], a view of PEFT's [r, in]
             lora_b=own(b, device, dtype).t(),
-            scaling=helper.scaling_for(name),
+            scaling=helper.scaling_for(peft_name),
             bias=own(mt.bias[1], device, dtype) if mt.bias is not None else None,
             is_embedding=mt.embedding,
         )
@@ -171,6 +172,7 @@ class LoRAModel:
                 keys = {name: ModuleKeys(mt.a[0], mt.b[0], mt.bias and mt.bias[0], mt.embedding)
                         for name, mt in modules.items()}
                 structures.put(key, CheckedStructure(keys, rank, *value_layout(header, keys)))
+        modules = split_fused(modules, spec_index(module_specs), path)
         return cls(lora_model_id, rank, _build(modules, helper, device, dtype, copy), peft_helper=helper,
                    path=str(lora_dir))
 
@@ -195,7 +197,8 @@ class LoRAModel:
         expected = frozenset(expected_lora_modules) if expected_lora_modules is not None else None
         raise_problems(peft_helper.config_path, config_problems(peft_helper, expected, lora_config))
         max_rank = lora_config.max_lora_rank if lora_config is not None else None
-        modules = checked_modules(tensors, peft_helper, path, expected, spec_index(module_specs), max_rank)
+        specs = spec_index(module_specs)
+        modules = split_fused(checked_modules(tensors, peft_helper, path, expected, specs, max_rank), specs, path)
         rank = max(mt.a[1].shape[0] for mt in modules.values())
         return cls(lora_model_id, rank, _build(modules, peft_helper, device, dtype, copy), peft_helper=peft_helper,
                    path=lora_dir)

@@ -52,6 +52,16 @@ class LoRAModuleSpec:
     def out_features(self) -> int:
         return sum(self.out_slices)
 
+    @property
+    def packed(self) -> bool:
+        return len(self.sub_modules) > 1
+
+    def peft_suffixes(self) -> tuple[str, ...]:
+        """The module suffixes an adapter may give this layer: its sub-modules, and for a packed layer its own
+        name too, which an adapter of a model that stores the layer fused uses (Phi-3's qkv_proj and
+        gate_up_proj: one A for all slices, one B across them)."""
+        return self.sub_modules + ((self.name.rsplit(".", 1)[-1],) if self.packed else ())
+
     def sub_module_names(self) -> list[str]:
         """Full PEFT-side names of the packed sub-modules."""
         parent = self.name.rsplit(".", 1)[0] if "." in self.name else ""

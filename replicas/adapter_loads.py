@@ -69,7 +69,7 @@ class AdapterLoads:
                  processes: int = 0, pin: bool = False, switch_interval: float = 0.0) -> None:
         self.manager, self.lora_config, self.specs = manager, lora_config, specs
         self.switch_interval = switch_interval  # the GIL's, while a load runs on a loader thread (gil.py)
-        self.expected = sorted({s for spec in specs for s in spec.sub_modules})
+        self.expected = sorted({s for spec in specs for s in spec.peft_suffixes()})
         self.structures = AdapterStructures()  # structures checked once (lora_core/adapter_structure.py)
         self._loads: dict[int, tuple[LoRARequest, Future]] = {}
         self._threads: ThreadPoolExecutor | None = None
