@@ -64,9 +64,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, QWEN3_8B, TINY, AdapterPools, Recorder, Request,  # noqa: E402
-                                   adapter_bytes, assign_adapters, copy_bandwidth, drive, kv_bytes_per_token,
-                                   make_requests, summarize, weight_bytes, write_model_dir)
+from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, PHI3_MINI, QWEN3_8B, TINY, AdapterPools,  # noqa: E402
+                                   Recorder, Request, adapter_bytes, assign_adapters, copy_bandwidth, drive,
+                                   kv_bytes_per_token, make_requests, summarize, weight_bytes, write_model_dir)
 from bench.triton_compiles import CompileLog  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 
@@ -260,7 +260,7 @@ def hf_rows(a, work: Path, dtype: torch.dtype, emit) -> None:
     emit(dict(scenario="ours-distinct", rank=16, registered=n, tok_s=tok_s, x_hf=tok_s / hf))
 
 
-MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B}
+MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B, "phi3-mini": PHI3_MINI}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

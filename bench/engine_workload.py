@@ -44,6 +44,12 @@ LLAMA32_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32
 QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
                 vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0)
+# Phi-3-mini-4k: MHA (32 kv heads: 3x Llama-3-8B's KV bytes per token) and a window of 2047 keys, longer than the
+# default sequences (it masks nothing there). Its fused checkpoint tensors play no part with dummy weights, and its
+# adapters here name q/k/v and gate/up apart, as for the Llama shapes
+PHI3_MINI = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192, vocab_size=32064,
+                 max_position_embeddings=4096, sliding_window=2047, rope_theta=10000.0)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

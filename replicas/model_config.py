@@ -1,6 +1,6 @@
 """ModelConfig: what the engine needs from an HF-format model directory.
 
-Reads config.json (Llama, Mistral, Qwen2, Qwen3 architectures) and, when present,
+Reads config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3 architectures) and, when present,
 generation_config.json. Both the transformers v4 layout (top-level
 ``rope_theta`` + ``rope_scaling``) and the v5 one (``rope_parameters``) parse
 to the same RopeScaling.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -107,7 +107,8 @@ class ModelConfig:
         theta, scaling = _rope(raw, where)
         gen = dict(generation_config or {})
         return cls(architecture=arch, model_type=model_type, **values, rope_theta=theta, rope_scaling=scaling,
-                   **_biases(raw, model_type), qk_norm=model_type == "qwen3", sliding_window=_sliding_window(raw, model_type, where),
+                   **_biases(raw, model_type), qk_norm=model_type == "qwen3",
+                   sliding_window=_sliding_window(raw, model_type, where),
                    bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
                    eos_token_ids=_token_ids(gen.get("eos_token_id", raw.get("eos_token_id"))),
                    dtype=resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"), device),
@@ -179,8 +180,10 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling]:
     params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ModelConfigError(f"{where}: rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    if rope_type not in ROPE_TYPES:  # e.g. Phi-3-128k / Phi-3.5 / Phi-4-mini's "longrope" (or "su")
+        field = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+        raise ModelConfigError(f"{where}: {field} type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    _check_full_rotary(raw, params, where)
     if rope_type == "default":
         return theta, RopeScaling()
     try:
@@ -194,7 +197,22 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling]:
         raise ModelConfigError(f"{where}: {rope_type} rope scaling lacks {exc.args[0]!r}") from None
 
 
+def _check_full_rotary(raw: dict[str, Any], params: dict[str, Any], where: str) -> None:
+    """Our rotary embedding turns every dimension of a head: a config that rotates only part of it (Phi-4-mini's
+    partial_rotary_factor 0.75) must not be served as if it rotated all of it."""
+    for value in (raw.get("partial_rotary_factor"), params.get("partial_rotary_factor")):
+        try:
+            partial = None if value is None else float(value)
+        except (TypeError, ValueError):
+            raise ModelConfigError(f"{where}: malformed partial_rotary_factor {value!r}") from None
+        if partial is not None and partial != 1.0:
+            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} is not supported (only 1: the rotary "
+                                   f"embedding turns the whole head)")
+
+
 def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
+    if model_type == "phi3":  # HF's Phi3 builds its projections without biases, whatever attention_bias says
+        return dict(qkv_bias=False, o_proj_bias=False, mlp_bias=False)
     if model_type == "qwen2":  # Qwen2 always has q/k/v bias and no o_proj/MLP bias
         return dict(qkv_bias=True, o_proj_bias=False, mlp_bias=False)
     attn = bool(raw.get("attention_bias", False))
@@ -202,7 +220,7 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
 
 
 def _sliding_window(raw: dict[str, Any], model_type: str, where: str) -> int | None:
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):  # HF: query q sees keys k in (q - window, q]
         return raw.get("sliding_window")
     if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
         raise ModelConfigError(f"{where}: {model_type.capitalize()} per-layer sliding window attention is not "

@@ -7,7 +7,9 @@ make every logit near zero and every comparison trivially close).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +32,10 @@ CHECKPOINTS = {
     # head_dim 16 is not hidden / heads (64 / 2 = 32), as in Qwen3-0.6B (128 against 1024 / 16)
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=1, vocab_size=128, num_attention_heads=2,
                                   tie_word_embeddings=True)),
+    # fused qkv_proj / gate_up_proj tensors; a window of 8 that MIXED_STEPS' longer sequences cross; Phi3Config's
+    # default pad id (32000) lies outside a tiny vocabulary
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, vocab_size=128, sliding_window=8, bos_token_id=1,
+                                eos_token_id=2, pad_token_id=3)),
 }
 
 # One engine-like run: each step lists (sequence, new tokens). Step 2 mixes a second prefill
@@ -51,11 +57,12 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1 + 0.1 * noise if "norm" in name else (0.5 if "embed" in name else 0.08) * noise)
 
 
-def write_checkpoint(path: Path, name: str, seed: int = 0, **save_kwargs) -> Path:
+def write_checkpoint(path: Path, name: str, seed: int = 0, overrides: dict | None = None, **save_kwargs) -> Path:
+    """CHECKPOINTS[name] (its config fields updated by ``overrides``) saved by transformers at ``path``."""
     import transformers  # imported here: TP worker processes import this module and need no transformers
 
     config_cls, fields = CHECKPOINTS[name]
-    config = getattr(transformers, config_cls)(**{**TINY, **fields})
+    config = getattr(transformers, config_cls)(**{**TINY, **fields, **(overrides or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
@@ -63,19 +70,37 @@ def write_checkpoint(path: Path, name: str, seed: int = 0, **save_kwargs) -> Pat
     return path
 
 
+def write_peft_adapter(model_dir: Path, out: Path, seed: int, **lora_config: Any) -> Path:
+    """A PEFT adapter on the transformers model at model_dir, written by peft to out, its A and B drawn (seeded)
+    large enough to move greedy tokens (PEFT's own init leaves B zero)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                          LoraConfig(init_lora_weights=False, **lora_config))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    peft.save_pretrained(out)
+    return out
+
+
 def peft_greedy_reference(model_dir: Path, adapters: dict[str, Path], prompts: list[str],
                           names: list[str | None], steps: int) -> list[tuple[list[int], list[float]]]:
-    """Greedy (tokens, their logprobs) from transformers + PEFT, one request at a time; names[i] None: the base
-    model."""
+    """Greedy (tokens, their logprobs) from transformers + PEFT, one request at a time, every step computed over the
+    whole sequence (no KV cache); names[i] None: the base model (adapters may then be empty: no PEFT)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    first, *rest = sorted(adapters)
-    model = PeftModel.from_pretrained(base, adapters[first], adapter_name=first)
-    for name in rest:
-        model.load_adapter(adapters[name], adapter_name=name)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapters:
+        first, *rest = sorted(adapters)
+        model = PeftModel.from_pretrained(model, adapters[first], adapter_name=first)
+        for name in rest:
+            model.load_adapter(adapters[name], adapter_name=name)
     results = []
     for prompt, name in zip(prompts, names):
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -83,7 +108,7 @@ def peft_greedy_reference(model_dir: Path, adapters: dict[str, Path], prompts: l
         for _ in range(steps):
             with torch.no_grad():
                 if name is None:
-                    with model.disable_adapter():
+                    with model.disable_adapter() if adapters else contextlib.nullcontext():
                         logits = model(ids).logits[0, -1]
                 else:
                     model.set_adapter(name)

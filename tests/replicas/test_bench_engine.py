@@ -175,12 +175,16 @@ def test_random_sampling_rows_generate_every_requested_token(tmp_path):
     assert sampled == greedy and set(sampled) == {"base", "one-r16"} and all(sampled.values())
 
 
-def test_the_qwen3_shape_writes_a_qwen3_model_dir(tmp_path):
-    """bench/engine.py --model qwen3-8b: the model directory parses as Qwen3 (its head norms on) at that shape."""
-    from bench.engine_workload import QWEN3_8B, write_model_dir
+@pytest.mark.parametrize("model,want", [("qwen3-8b", ("qwen3", True, 36, 128, 12288, None)),
+                                        ("phi3-mini", ("phi3", False, 32, 96, 8192, 2047))])
+def test_a_model_shape_writes_a_model_dir_of_its_architecture(tmp_path, model, want):
+    """bench/engine.py --model qwen3-8b / phi3-mini: the model directory parses as that architecture (Qwen3's head
+    norms on, Phi-3's window) at that shape."""
+    from bench.engine import MODELS
+    from bench.engine_workload import write_model_dir
     from replicas.model_config import ModelConfig
 
-    cfg = ModelConfig.from_pretrained(write_model_dir(tmp_path / "qwen3", dict(QWEN3_8B, vocab_size=64)),
+    cfg = ModelConfig.from_pretrained(write_model_dir(tmp_path / model, dict(MODELS[model], vocab_size=64)),
                                       device="cpu")
-    assert (cfg.model_type, cfg.qk_norm, cfg.num_hidden_layers, cfg.head_dim, cfg.intermediate_size) == \
-        ("qwen3", True, 36, 128, 12288)
+    assert (cfg.model_type, cfg.qk_norm, cfg.num_hidden_layers, cfg.head_dim, cfg.intermediate_size,
+            cfg.sliding_window) == want

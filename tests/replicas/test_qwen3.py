@@ -16,7 +16,7 @@ import torch
 from lora_core.request import LoRARequest
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
-from tests.replicas.conftest import TINY, _randomize, peft_greedy_reference
+from tests.replicas.conftest import TINY, _randomize, peft_greedy_reference, write_peft_adapter
 
 STEPS = 8
 PROMPTS = ["The quick brown fox", "SELECT", "Once upon a time in a city far away,"]
@@ -26,7 +26,6 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.fixture(scope="module")
 def qwen3(demo, tmp_path_factory):
     """(model dir with the demo's tokenizer, {name: adapter dir}) written by transformers and peft."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     root = tmp_path_factory.mktemp("qwen3")
@@ -41,18 +40,9 @@ def qwen3(demo, tmp_path_factory):
     model.save_pretrained(model_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo.model_dir / name, model_dir / name)
-    adapters = {}
-    for i, (name, rank) in enumerate((("q-r8", 8), ("q-r4", 4))):
-        torch.manual_seed(10 + i)
-        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                              LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                         init_lora_weights=False))
-        with torch.no_grad():  # deltas large enough to move the greedy tokens
-            for pname, p in peft.named_parameters():
-                if "lora_" in pname:
-                    p.copy_(0.3 * torch.randn_like(p))
-        adapters[name] = root / name
-        peft.save_pretrained(adapters[name])
+    adapters = {name: write_peft_adapter(model_dir, root / name, 10 + i, r=rank, lora_alpha=2 * rank,
+                                         target_modules=TARGETS)
+                for i, (name, rank) in enumerate((("q-r8", 8), ("q-r4", 4)))}
     return model_dir, adapters
 
 
