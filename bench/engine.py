@@ -89,7 +89,8 @@ HEADS = ["scenario", "r", "#reg", "tok/s", "ttft50", "ttft99", "tpot50", "tpot99
 
 # Every request's sampling: greedy, as the recorded rows ran, or random as most traffic samples
 # (bench/sampling_settings.py measures what each setting costs).
-SAMPLING = {"greedy": {"temperature": 0.0}, "random": {"temperature": 0.8, "top_p": 0.95, "top_k": 50}}
+SAMPLING = {"greedy": {"temperature": 0.0}, "random": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
+            "nucleus": {"temperature": 0.8, "top_p": 0.95}}  # nucleus: the OpenAI clients' form, no top_k
 
 
 def scenarios(ranks: list[int], variants: tuple[str, ...] = ()) -> dict[str, tuple[str, int, int, str]]:
@@ -287,7 +288,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also run every row as '<row>+NAME' on an engine with these EngineArgs changed")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
-                   help="every request's sampling (random: temperature 0.8, top_p 0.95, top_k 50)")
+                   help="every request's sampling (random: temperature 0.8, top_p 0.95, top_k 50; nucleus: "
+                        "the same without top_k)")
     p.add_argument("--workdir", default=None, help="where model dirs and adapters go (default: a temp dir)")
     a = p.parse_args(argv)
     for key, value in (CPU_TINY if a.tiny else GPU).items():
