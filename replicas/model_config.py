@@ -9,6 +9,7 @@ to the same RopeScaling.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")  # "su": longrope's older name
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -28,13 +29,17 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """rope_type "default" (none), "linear" (positions / factor) or "llama3" (Llama 3.1 frequency bands)."""
+    """rope_type "default" (none), "linear" (positions / factor), "llama3" (Llama 3.1 frequency bands) or
+    "longrope" (Phi-3-128k, Phi-3.5: per-frequency factors, short_factor within the original context, and cos
+    and sin scaled by attention_factor)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    short_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,8 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         theta, scaling = _rope(raw, where)
+        if scaling.rope_type == "longrope":
+            values["max_position_embeddings"] = _longrope_context(raw, scaling, values, where)
         gen = dict(generation_config or {})
         return cls(architecture=arch, model_type=model_type, **values, rope_theta=theta, rope_scaling=scaling,
                    **_biases(raw, model_type), qk_norm=model_type == "qwen3",
@@ -187,6 +194,8 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling]:
     if rope_type == "default":
         return theta, RopeScaling()
     try:
+        if rope_type in ("longrope", "su"):
+            return theta, _longrope(raw, params)
         if rope_type == "linear":
             return theta, RopeScaling("linear", factor=float(params["factor"]))
         return theta, RopeScaling("llama3", factor=float(params["factor"]),
@@ -195,6 +204,30 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling]:
                                   original_max_position_embeddings=int(params["original_max_position_embeddings"]))
     except KeyError as exc:
         raise ModelConfigError(f"{where}: {rope_type} rope scaling lacks {exc.args[0]!r}") from None
+
+
+def _longrope(raw: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
+    """LongRoPE as transformers computes it for a sequence within the original context: frequencies divided by
+    short_factor, cos and sin times attention_factor (given, else sqrt(1 + ln(factor) / ln(original)) with
+    factor = max_position_embeddings / original, 1 where that is <= 1). KeyError for a missing field."""
+    original = int(params.get("original_max_position_embeddings") or raw["original_max_position_embeddings"])
+    factor = float(params.get("factor") or int(raw.get("max_position_embeddings", original)) / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
+                       short_factor=tuple(float(f) for f in params["short_factor"]),
+                       attention_factor=float(attention))
+
+
+def _longrope_context(raw: dict[str, Any], scaling: RopeScaling, values: dict[str, Any], where: str) -> int:
+    """The context a longrope model is served with: its original one. Past it transformers switches every
+    position to long_factor, which the rotary kernels do not compute yet; within it we compute what transformers
+    does. A short_factor that does not give each frequency of a head one factor is refused."""
+    if len(scaling.short_factor) != values["head_dim"] // 2:
+        raise ModelConfigError(f"{where}: longrope short_factor has {len(scaling.short_factor)} factors, expected "
+                               f"head_dim / 2 = {values['head_dim'] // 2}")
+    return min(values["max_position_embeddings"], scaling.original_max_position_embeddings)
 
 
 def _check_full_rotary(raw: dict[str, Any], params: dict[str, Any], where: str) -> None:

@@ -19,8 +19,11 @@ from replicas.model_config import ModelConfigError, RopeScaling
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """[head_dim/2] float32 inverse frequencies, scaled per ``scaling``."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base ** exponents)
     scaling = scaling or RopeScaling()
+    if scaling.rope_type == "longrope":  # within the original context (model_config caps it there)
+        return 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32) * base ** exponents)
     if scaling.rope_type == "default":
         return inv_freq
     if scaling.rope_type == "linear":

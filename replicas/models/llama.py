@@ -44,7 +44,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
         self.head_dim, self.qk_norm = hd, config.qk_norm
-        self.attn = Attention(self.qkv_proj.num_heads, hd, self.qkv_proj.num_kv_heads, hd ** -0.5,
+        # longrope scales cos and sin by attention_factor: q and k each, so q.k by its square (1 otherwise)
+        scale = hd ** -0.5 * config.rope_scaling.attention_factor ** 2
+        self.attn = Attention(self.qkv_proj.num_heads, hd, self.qkv_proj.num_kv_heads, scale,
                               config.sliding_window, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,

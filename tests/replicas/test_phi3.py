@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 
 import pytest
@@ -144,13 +145,57 @@ def test_parses_phi3_4k():
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor 0.5"),
     ({"architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"partial_rotary_factor": "most"}, "malformed partial_rotary_factor"),
-    ({"rope_scaling": {"type": "longrope", **LONGROPE}}, "rope_scaling type 'longrope' is not supported"),
-    ({"rope_scaling": {"type": "su", **LONGROPE}}, "rope_scaling type 'su' is not supported"),  # Phi-3-mini-128k
-    ({"rope_parameters": {"rope_type": "longrope", **LONGROPE}}, "rope_parameters type 'longrope'"),
-], ids=["phi4-mini", "v5-partial", "any-architecture", "malformed", "longrope", "su", "v5-longrope"])
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"type": "longrope", **LONGROPE, "short_factor": [1.0] * 3}}, "short_factor has 3 factors"),
+    ({"rope_scaling": {"type": "longrope", "long_factor": [2.0] * 4}}, "lacks 'short_factor'"),
+], ids=["phi4-mini", "v5-partial", "any-architecture", "malformed", "yarn", "short-factors", "no-short-factor"])
 def test_refused_phi3_configs_name_the_field(change, match):
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_dict({**PHI3, **change})
+
+
+@pytest.mark.parametrize("layout", [
+    {"rope_scaling": {"type": "longrope", **LONGROPE}},  # Phi-3.5-mini's config.json
+    {"rope_scaling": {"type": "su", **LONGROPE}},  # Phi-3-mini-128k's older name
+    {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE}},  # transformers v5
+], ids=["longrope", "su", "v5"])
+def test_longrope_is_served_within_its_original_context(layout):
+    cfg = ModelConfig.from_dict({**PHI3, "max_position_embeddings": 131072, **layout})
+    s = cfg.rope_scaling
+    assert (s.rope_type, s.short_factor, s.original_max_position_embeddings) == ("longrope", (1.0,) * 4, 4096)
+    assert cfg.max_position_embeddings == 4096  # past it transformers takes long_factor, not computed here
+    assert s.attention_factor == pytest.approx(math.sqrt(1 + math.log(131072 / 4096) / math.log(4096)))
+    given = ModelConfig.from_dict({**PHI3, "rope_scaling": {"type": "longrope", **LONGROPE, "attention_factor": 1.1}})
+    assert given.rope_scaling.attention_factor == 1.1
+
+
+@pytest.fixture(scope="module")
+def longrope_dir(demo, tmp_path_factory):
+    """A Phi-3.5-like checkpoint: longrope with uneven short factors, an original context of 32 of 128 (so an
+    attention factor of sqrt(1 + ln 4 / ln 32)), over the demo tokenizer."""
+    demo_config = json.loads((demo.model_dir / "config.json").read_text())
+    fields = {key: demo_config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    fields.update(max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=None,
+                  rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5],
+                                "long_factor": [4.0] * 8})
+    path = write_checkpoint(tmp_path_factory.mktemp("longrope"), "phi3", overrides=fields)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo.model_dir / name, path / name)
+    return path
+
+
+def test_longrope_generation_matches_hf_within_the_original_context(longrope_dir):
+    llm = LLM(str(longrope_dir), dtype="float32", device="cpu")
+    try:
+        assert llm.engine.max_model_len == 32
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=1, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    want = peft_greedy_reference(longrope_dir, {}, PROMPTS, [None] * len(PROMPTS), STEPS)
+    for out, (tokens, logprobs) in zip(outputs, want):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        assert max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs)) < 2e-3
 
 
 FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's module names, as PEFT targets them
