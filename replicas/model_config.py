@@ -62,6 +62,9 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before the rotary embedding
+    # The leading dimensions of a head that the rotary embedding turns (partial_rotary_factor x head_dim: Phi-4-mini
+    # turns 96 of 128); the rest pass through. None: the whole head.
+    rotary_dim: int | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -110,11 +113,13 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         theta, scaling = _rope(raw, where)
+        rotary_dim = _rotary_dim(raw, model_type, values["head_dim"], where)
         if scaling.rope_type == "longrope":
-            values["max_position_embeddings"] = _longrope_context(raw, scaling, values, where)
+            values["max_position_embeddings"] = _longrope_context(scaling, rotary_dim or values["head_dim"],
+                                                                  values["max_position_embeddings"], where)
         gen = dict(generation_config or {})
         return cls(architecture=arch, model_type=model_type, **values, rope_theta=theta, rope_scaling=scaling,
-                   **_biases(raw, model_type), qk_norm=model_type == "qwen3",
+                   **_biases(raw, model_type), qk_norm=model_type == "qwen3", rotary_dim=rotary_dim,
                    sliding_window=_sliding_window(raw, model_type, where),
                    bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
                    eos_token_ids=_token_ids(gen.get("eos_token_id", raw.get("eos_token_id"))),
@@ -183,14 +188,18 @@ def _architecture(raw: dict[str, Any], where: str) -> str:
                            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
 
 
+def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """The rope fields of either layout: v4's rope_scaling, v5's rope_parameters."""
+    return {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+
+
 def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling]:
-    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    params = _rope_params(raw)
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:  # e.g. Phi-3-128k / Phi-3.5 / Phi-4-mini's "longrope" (or "su")
         field = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
         raise ModelConfigError(f"{where}: {field} type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
-    _check_full_rotary(raw, params, where)
     if rope_type == "default":
         return theta, RopeScaling()
     try:
@@ -220,27 +229,37 @@ def _longrope(raw: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
                        attention_factor=float(attention))
 
 
-def _longrope_context(raw: dict[str, Any], scaling: RopeScaling, values: dict[str, Any], where: str) -> int:
+def _longrope_context(scaling: RopeScaling, rotary_dim: int, max_positions: int, where: str) -> int:
     """The context a longrope model is served with: its original one. Past it transformers switches every
     position to long_factor, which the rotary kernels do not compute yet; within it we compute what transformers
-    does. A short_factor that does not give each frequency of a head one factor is refused."""
-    if len(scaling.short_factor) != values["head_dim"] // 2:
+    does. A short_factor that does not give each rotary frequency one factor is refused."""
+    if len(scaling.short_factor) != rotary_dim // 2:
         raise ModelConfigError(f"{where}: longrope short_factor has {len(scaling.short_factor)} factors, expected "
-                               f"head_dim / 2 = {values['head_dim'] // 2}")
-    return min(values["max_position_embeddings"], scaling.original_max_position_embeddings)
+                               f"one per rotary frequency: {rotary_dim // 2}")
+    return min(max_positions, scaling.original_max_position_embeddings)
 
 
-def _check_full_rotary(raw: dict[str, Any], params: dict[str, Any], where: str) -> None:
-    """Our rotary embedding turns every dimension of a head: a config that rotates only part of it (Phi-4-mini's
-    partial_rotary_factor 0.75) must not be served as if it rotated all of it."""
-    for value in (raw.get("partial_rotary_factor"), params.get("partial_rotary_factor")):
+def _rotary_dim(raw: dict[str, Any], model_type: str, head_dim: int, where: str) -> int | None:
+    """partial_rotary_factor (top level or in the rope fields) as the dimensions it turns; None for all of them.
+    Only Phi-3's transformers code lets the rest of a head pass through (Phi-4-mini: 0.75): elsewhere such a
+    config is refused rather than computed some other way."""
+    rotary_dim = None
+    for value in (raw.get("partial_rotary_factor"), _rope_params(raw).get("partial_rotary_factor")):
         try:
             partial = None if value is None else float(value)
         except (TypeError, ValueError):
             raise ModelConfigError(f"{where}: malformed partial_rotary_factor {value!r}") from None
-        if partial is not None and partial != 1.0:
-            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} is not supported (only 1: the rotary "
-                                   f"embedding turns the whole head)")
+        if partial is None or partial == 1.0:
+            continue
+        dim = int(head_dim * partial)  # transformers' rounding
+        if model_type != "phi3":
+            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} is not supported for {model_type} "
+                                   f"(only Phi-3 turns part of a head)")
+        if not 0 < partial < 1 or dim % 2:
+            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} must turn an even number of a "
+                                   f"head's {head_dim} dimensions, got {dim}")
+        rotary_dim = dim
+    return rotary_dim
 
 
 def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:

@@ -51,18 +51,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """forward(positions [T], q [T, n_q*d], k [T, n_k*d]) -> rotated (q, k), same shapes and dtype."""
+    """forward(positions [T], q [T, n_q*d], k [T, n_k*d]) -> rotated (q, k), same shapes and dtype.
 
-    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None) -> None:
+    rotary_dim: the leading dimensions of each head that turn (Phi-4-mini: 96 of 128), the rest passing through;
+    None: all of them. Such a model takes the torch path: the Triton kernels turn whole heads."""
+
+    def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, scaling), persistent=False)
+        self.rotary_dim = rotary_dim or head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, base, scaling), persistent=False)
+        # longrope scales cos and sin. Over whole heads the attention's scale takes it (LlamaAttention: q.k times
+        # its square), so the kernels stay as they are; the dimensions a partly turned head passes are not
+        # scaled, so there cos and sin carry it.
+        self.cos_sin_factor = scaling.attention_factor if scaling is not None and self.partial else 1.0
+
+    @property
+    def partial(self) -> bool:
+        return self.rotary_dim < self.head_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] in ``dtype``."""
+        """cos, sin [T, 1, rotary_dim] in ``dtype``."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.cos_sin_factor).to(dtype), (emb.sin() * self.cos_sin_factor).to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, lora: PendingExpand | None = None,
                 v: torch.Tensor | None = None, row_scale: RowScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +83,7 @@ class RotaryEmbedding(nn.Module):
         it is owed to: on CUDA one kernel adds it as it rotates (v in place); elsewhere it runs first.
         row_scale: the RowScale the norm before qkv_proj left (with v): applied after the expand, v's part in
         place, by the same kernel or first."""
-        fused = fused_ops(q)
+        fused = None if self.partial else fused_ops(q)
         if row_scale is not None and v is None:
             raise ValueError("RotaryEmbedding takes a row_scale with q, k and v: v needs it too")
         if lora is not None:
@@ -91,8 +104,12 @@ class RotaryEmbedding(nn.Module):
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions, q.dtype)
-        qh = q.unflatten(-1, (-1, self.head_dim))
-        kh = k.unflatten(-1, (-1, self.head_dim))
-        q_out = qh * cos + _rotate_half(qh) * sin
-        k_out = kh * cos + _rotate_half(kh) * sin
-        return q_out.reshape(q.shape), k_out.reshape(k.shape)
+        d = self.rotary_dim
+
+        def turn(x: torch.Tensor) -> torch.Tensor:
+            heads = x.unflatten(-1, (-1, self.head_dim))
+            turned, passed = heads[..., :d], heads[..., d:]
+            out = turned * cos + _rotate_half(turned) * sin
+            return (out if passed.shape[-1] == 0 else torch.cat((out, passed), dim=-1)).reshape(x.shape)
+
+        return turn(q), turn(k)

@@ -39,13 +39,15 @@ class LlamaAttention(nn.Module):
                                         config.o_proj_bias, ctx, dtype)
         self.q_size = self.qkv_proj.num_heads * hd
         self.kv_size = self.qkv_proj.num_kv_heads * hd
-        self.rotary_emb = RotaryEmbedding(hd, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(hd, config.rope_theta, config.rope_scaling, config.rotary_dim)
         if config.qk_norm:  # Qwen3: one weight for every head, so each rank holds all of it
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
         self.head_dim, self.qk_norm = hd, config.qk_norm
-        # longrope scales cos and sin by attention_factor: q and k each, so q.k by its square (1 otherwise)
-        scale = hd ** -0.5 * config.rope_scaling.attention_factor ** 2
+        # longrope scales cos and sin by attention_factor: over whole heads q.k by its square (1 otherwise); a
+        # partly turned head's cos and sin carry it themselves (RotaryEmbedding.cos_sin_factor)
+        factor = 1.0 if self.rotary_emb.partial else config.rope_scaling.attention_factor
+        scale = hd ** -0.5 * factor ** 2
         self.attn = Attention(self.qkv_proj.num_heads, hd, self.qkv_proj.num_kv_heads, scale,
                               config.sliding_window, backend)
 

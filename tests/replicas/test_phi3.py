@@ -141,14 +141,14 @@ def test_parses_phi3_4k():
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),  # Phi-4-mini
-    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor 0.5"),
-    ({"architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"partial_rotary_factor": 0.375}, "0.375 must turn an even number of a head's 8 dimensions, got 3"),
+    ({"architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5}, "not supported for llama"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}}, "partial_rotary_factor 1.5 must"),
     ({"partial_rotary_factor": "most"}, "malformed partial_rotary_factor"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
     ({"rope_scaling": {"type": "longrope", **LONGROPE, "short_factor": [1.0] * 3}}, "short_factor has 3 factors"),
     ({"rope_scaling": {"type": "longrope", "long_factor": [2.0] * 4}}, "lacks 'short_factor'"),
-], ids=["phi4-mini", "v5-partial", "any-architecture", "malformed", "yarn", "short-factors", "no-short-factor"])
+], ids=["odd-dims", "llama", "above-1", "malformed", "yarn", "short-factors", "no-short-factor"])
 def test_refused_phi3_configs_name_the_field(change, match):
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_dict({**PHI3, **change})
@@ -169,6 +169,12 @@ def test_longrope_is_served_within_its_original_context(layout):
     assert given.rope_scaling.attention_factor == 1.1
 
 
+def test_partial_rotary_is_parsed_for_phi3():
+    v4 = ModelConfig.from_dict({**PHI3, "partial_rotary_factor": 0.75, "head_dim": 16})  # Phi-4-mini: 96 of 128
+    v5 = ModelConfig.from_dict({**PHI3, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})
+    assert (v4.rotary_dim, v5.rotary_dim, ModelConfig.from_dict(PHI3).rotary_dim) == (12, 4, None)
+
+
 @pytest.fixture(scope="module")
 def longrope_dir(demo, tmp_path_factory):
     """A Phi-3.5-like checkpoint: longrope with uneven short factors, an original context of 32 of 128 (so an
@@ -184,14 +190,31 @@ def longrope_dir(demo, tmp_path_factory):
     return path
 
 
-def test_longrope_generation_matches_hf_within_the_original_context(longrope_dir):
-    llm = LLM(str(longrope_dir), dtype="float32", device="cpu")
+@pytest.fixture(scope="module")
+def phi4_mini_like_dir(demo, tmp_path_factory):
+    """Phi-4-mini's recipe, tiny: half of each head turned (partial_rotary_factor 0.5 of head_dim 16), longrope
+    with a factor per turned frequency, tied embeddings."""
+    demo_config = json.loads((demo.model_dir / "config.json").read_text())
+    fields = {key: demo_config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    fields.update(max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=None,
+                  partial_rotary_factor=0.5, tie_word_embeddings=True,
+                  rope_scaling={"type": "longrope", "short_factor": [1.0, 2.0, 1.5, 3.0], "long_factor": [4.0] * 4})
+    path = write_checkpoint(tmp_path_factory.mktemp("phi4-mini"), "phi3", overrides=fields)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo.model_dir / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("checkpoint", ["longrope_dir", "phi4_mini_like_dir"])
+def test_longrope_generation_matches_hf_within_the_original_context(checkpoint, request):
+    model_dir = request.getfixturevalue(checkpoint)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu")
     try:
         assert llm.engine.max_model_len == 32
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=1, ignore_eos=True))
     finally:
         llm.shutdown()
-    want = peft_greedy_reference(longrope_dir, {}, PROMPTS, [None] * len(PROMPTS), STEPS)
+    want = peft_greedy_reference(model_dir, {}, PROMPTS, [None] * len(PROMPTS), STEPS)
     for out, (tokens, logprobs) in zip(outputs, want):
         got = out.outputs[0]
         assert got.token_ids == tokens
