@@ -133,3 +133,39 @@ def test_a_seeded_rows_token_is_its_own_whatever_the_batch():
 def test_cuda_draws_the_cpu_references_tokens_at_full_width():
     case = _case(32, 128_256, 9, spread=3.0)
     assert torch.equal(draw_nucleus(*(t.cuda() for t in case)).cpu(), draw_nucleus_reference(*case))
+
+
+def _by_definition(logits: torch.Tensor, temperature: float, top_p: float, min_p: float, key: int) -> int:
+    """One row's draw straight from the definitions, O(V^2): a token is kept if p >= min_p * p_max, and in the
+    nucleus if the kept tokens strictly more likely than it hold < top_p of the kept mass; the draw is the first
+    column of the largest l / T - ln(q) among them."""
+    from replicas.seeded_noise import exponentials_reference
+
+    scaled = logits.double() / temperature
+    p = torch.softmax(scaled, dim=0)
+    kept = p >= min_p * p.max()
+    mass = p[kept].sum()
+    q = exponentials_reference(torch.tensor([key_pairs([key])[0]], dtype=torch.int64), len(logits))[0].double()
+    best, best_col = -math.inf, None
+    for i in range(len(logits)):
+        if kept[i] and p[kept & (p > p[i])].sum() < top_p * mass:
+            score = float(scaled[i] - q[i].log())
+            if score > best:
+                best, best_col = score, i
+    return best_col
+
+
+def test_the_reference_and_the_kernel_follow_the_definitions_on_rows_full_of_ties():
+    """bf16 logits tie often (8 bits of mantissa): rows of a few distinct values, every setting."""
+    g = torch.Generator().manual_seed(7)
+    rows, vocab = 24, 40
+    logits = (torch.randint(0, 5, (rows, vocab), generator=g).float() * 0.5).to(torch.bfloat16).float()
+    rng = random.Random(7)
+    cases = [(rng.choice([0.5, 1.0, 1.5]), rng.choice([0.3, 0.6, 0.9, 1.0]), rng.choice([0.0, 0.2]))
+             for _ in range(rows)]
+    keys = [rng.getrandbits(64) for _ in range(rows)]
+    settings = torch.tensor([settings_row(*c) for c in cases])
+    pairs = torch.tensor(key_pairs(keys), dtype=torch.int64)
+    want = [_by_definition(logits[i], *cases[i], keys[i]) for i in range(rows)]
+    assert draw_nucleus_reference(logits, settings, pairs).tolist() == want
+    assert _kernel(logits, settings, pairs).tolist() == want
