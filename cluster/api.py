@@ -75,8 +75,9 @@ class _Metrics:
 
 
 def build_api(backend: Any, api_keys: list[str] | None = None,
-              extra_metrics: Callable[[], str] | None = None) -> FastAPI:
-    """The HTTP app. backend: model_name, generate(GenerateRequest), models(), load/unload_adapter."""
+              extra_metrics: Callable[[], str] | None = None, responses: Any = None) -> FastAPI:
+    """The HTTP app. backend: model_name, generate(GenerateRequest), models(), load/unload_adapter.
+    responses: where /v1/responses keeps finished responses (cluster/responses.py's store; default: here)."""
     app = FastAPI(title="lorafleet", version="0.1.0")
     metrics = _Metrics()
     keys = [k.encode() for k in api_keys or []]
@@ -237,7 +238,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    add_response_routes(app, backend, error_response, _start)
+    add_response_routes(app, backend, error_response, _start, responses)
     app.state.metrics = metrics
     return app
 

@@ -28,6 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.adapter_tier_actor import get_adapter, get_or_create_adapter_tier
 from cluster.api import build_api
 from cluster.errors import OverloadedError
+from cluster.response_store_actor import SharedResponses, get_or_create_response_store
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
 from cluster.tier_catalog import TierCatalog
@@ -214,7 +215,9 @@ class Ingress:
         self.api_keys = api_keys
 
     def __serve_build_asgi_app__(self):
-        return build_api(self.backend, self.api_keys, extra_metrics=self.catalog.metrics_text)
+        # /v1/responses' store: one actor for every ingress replica, so a follow-up may land on any of them
+        responses = SharedResponses(get_or_create_response_store())
+        return build_api(self.backend, self.api_keys, extra_metrics=self.catalog.metrics_text, responses=responses)
 
     async def generate(self, prompt: str | list[int] | None = None, adapter: str | None = None,
                        messages: list[dict] | None = None, stream: bool = False, priority: int = 0,

@@ -2,7 +2,8 @@
 
 GET /v1/responses/{id} reads a stored response, GET /v1/responses/{id}/input_items pages through its input
 items, DELETE /v1/responses/{id} forgets it, and previous_response_id continues its conversation. The store is
-a bounded LRU in the memory of one ingress replica: not shared between replicas and lost on restart.
+a bounded LRU in memory, lost on restart: in the process that serves the API (LocalResponses), or, in the Serve
+app, in one actor that every ingress replica shares (cluster/response_store_actor.py).
 
 Input items are kept as OpenAI lists them, so that the SDK's item types read them: each has an id (the one the
 client sent, else a new one: msg_ for a message, fc_ for a function call, fco_ for a call's output, rs_ for
@@ -61,8 +62,7 @@ class ResponseStore:
         if entry is None:
             raise ResponseNotFoundError(
                 f"response {response_id!r} not found: it was not stored (store false) or was deleted, or is no "
-                f"longer kept (this ingress replica keeps its latest {self.capacity} responses in memory), or "
-                f"another replica served it", field)
+                f"longer kept (the latest {self.capacity} responses are kept, in memory)", field)
         self._entries.move_to_end(response_id)
         return entry
 
@@ -71,6 +71,23 @@ class ResponseStore:
         continued it keep their own copy of the conversation, so they are left as they are."""
         self.get(response_id)
         del self._entries[response_id]
+
+
+class LocalResponses:
+    """A ResponseStore in this process, behind the async methods the routes await (as SharedResponses',
+    cluster/response_store_actor.py, whose store every ingress replica shares)."""
+
+    def __init__(self, store: ResponseStore | None = None) -> None:
+        self.store = store if store is not None else ResponseStore()
+
+    async def get(self, response_id: str, field: str | None = None) -> StoredResponse:
+        return self.store.get(response_id, field)
+
+    async def put(self, response: dict[str, Any], inputs: list[dict[str, Any]]) -> None:
+        self.store.put(response, inputs)
+
+    async def delete(self, response_id: str) -> None:
+        self.store.delete(response_id)
 
 
 def stored_inputs(items: list[dict[str, Any]], history: list[dict[str, Any]]) -> list[dict[str, Any]]:

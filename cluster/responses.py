@@ -6,10 +6,11 @@ which runs through the chat path (cluster/chat_request.py: sampling, tool plan, 
 parser), and its output comes back as output items and, streamed, as Responses events
 (cluster/responses_output.py).
 
-Finished responses are kept (store true, the default) in a ResponseStore (cluster/response_store.py) on the
-ingress replica that served them: a bounded LRU in memory, not shared between ingress replicas and lost on
-restart. It is what the GET and DELETE routes read and what previous_response_id continues: the stored
-conversation (every earlier turn's input and output items) comes before the new input.
+Finished responses are kept (store true, the default) in a ResponseStore (cluster/response_store.py): a bounded
+LRU in memory, lost on restart, in this process or (the Serve app) in an actor that every ingress replica
+shares (cluster/response_store_actor.py). It is what the GET and DELETE routes read and what
+previous_response_id continues: the stored conversation (every earlier turn's input and output items) comes
+before the new input.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.chat_request import chat_generation
 from cluster.errors import ResponseNotFoundError
-from cluster.response_store import ResponseStore, input_page, stored_inputs
+from cluster.response_store import LocalResponses, input_page, stored_inputs
 from cluster.responses_output import ResponseWriter
 from cluster.responses_protocol import ResponsesRequest
 from cluster.server import GenerateRequest
@@ -34,16 +35,17 @@ Start = Callable[[GenerateRequest, str], Awaitable["Outputs | JSONResponse"]]
 
 
 def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[BaseException], JSONResponse],
-                        start: Start, store: ResponseStore | None = None) -> None:
+                        start: Start, store: Any = None) -> None:
     """start(GenerateRequest, model): the request's first output and all its outputs (api.py's), or the
-    JSONResponse of the error it met first. The store is app.state.responses."""
-    store = store if store is not None else ResponseStore()
+    JSONResponse of the error it met first. store: LocalResponses (the default: a ResponseStore here) or
+    SharedResponses (the Serve app's actor); it is app.state.responses."""
+    store = store if store is not None else LocalResponses()
     app.state.responses = store
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest):
         try:
-            history = store.get(body.previous_response_id, "previous_response_id").items \
+            history = (await store.get(body.previous_response_id, "previous_response_id")).items \
                 if body.previous_response_id is not None else []
             req, fmt = chat_generation(body.chat_request(history), backend)
             inputs = history + stored_inputs(body.input_items(), history)
@@ -55,15 +57,15 @@ def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[Ba
         writer = ResponseWriter(body, fmt, backend)
         _, outputs = started
 
-        def keep(response: dict[str, Any]) -> None:
+        async def keep(response: dict[str, Any]) -> None:
             if body.store:
-                store.put(response, inputs)
+                await store.put(response, inputs)
 
         if not body.stream:
             async for last in outputs:
                 pass
             response = writer.full(last)
-            keep(response)
+            await keep(response)
             return JSONResponse(response)
 
         async def events() -> AsyncIterator[str]:
@@ -79,7 +81,7 @@ def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[Ba
                 yield writer.error(json.loads(error_response(exc).body)["error"])
                 return
             lines, response = writer.closing(last)
-            keep(response)  # before response.completed goes out: a client may retrieve it straight away
+            await keep(response)  # before response.completed goes out: a client may retrieve it straight away
             for line in lines:
                 yield line
 
@@ -88,14 +90,14 @@ def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[Ba
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
         try:
-            return JSONResponse(store.get(response_id).response)
+            return JSONResponse((await store.get(response_id)).response)
         except ResponseNotFoundError as exc:
             return error_response(exc)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
         try:
-            store.delete(response_id)
+            await store.delete(response_id)
         except ResponseNotFoundError as exc:
             return error_response(exc)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -107,6 +109,6 @@ def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[Ba
     async def list_input_items(response_id: str, limit: str | None = None, order: str = "desc",
                                after: str | None = None):
         try:
-            return JSONResponse(input_page(store.get(response_id).inputs, limit, order, after))
+            return JSONResponse(input_page((await store.get(response_id)).inputs, limit, order, after))
         except (InvalidRequestError, ResponseNotFoundError) as exc:
             return error_response(exc)

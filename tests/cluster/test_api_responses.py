@@ -20,7 +20,7 @@ from openai.types.responses import (Response, ResponseFunctionToolCallItem, Resp
 from pydantic import TypeAdapter
 
 from cluster.api import build_api
-from cluster.responses import ResponseStore
+from cluster.response_store import ResponseStore
 from replicas.errors import EngineDeadError
 from tests.cluster.api_cases import open_stack, run, stack  # noqa: F401  (stack: a fixture)
 
