@@ -16,6 +16,7 @@ before the new input.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
@@ -29,6 +30,8 @@ from cluster.responses_protocol import ResponsesRequest
 from cluster.server import GenerateRequest
 from replicas.errors import InvalidRequestError
 from replicas.outputs import CompletionDeltas, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 Outputs = tuple[RequestOutput, AsyncIterator[RequestOutput]]
 Start = Callable[[GenerateRequest, str], Awaitable["Outputs | JSONResponse"]]
@@ -58,8 +61,12 @@ def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[Ba
         _, outputs = started
 
         async def keep(response: dict[str, Any]) -> None:
-            if body.store:
+            if not body.store:
+                return
+            try:
                 await store.put(response, inputs)
+            except Exception:  # noqa: BLE001 - the store is a cache: the answer goes out unstored, not lost
+                logger.warning("response %s not stored", response["id"], exc_info=True)
 
         if not body.stream:
             async for last in outputs:

@@ -503,3 +503,29 @@ def test_auto_tool_calls_are_found_in_the_answer(r1_stack):
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
     assert final.output[2].arguments == out.output[2].arguments and final.output_text == "Let me look."
+
+
+def test_a_store_that_fails_loses_no_answer(stack):
+    """The store is a cache: when it cannot keep a response (its actor gone), the answer still goes out, streamed
+    or not, and is then simply not found."""
+    from cluster.api import build_api
+    from cluster.response_store import LocalResponses
+    from tests.cluster.api_cases import _client
+
+    class Broken(LocalResponses):
+        async def put(self, response, inputs):
+            raise RuntimeError("the store's actor died")
+
+    app = build_api(stack[2], responses=Broken())
+
+    async def go():
+        c = _client(app)
+        out = await c.responses.create(input="Say hello", **GREEDY)
+        streamed = [e.type async for e in await c.responses.create(input="Say hello", stream=True, **GREEDY)]
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve(out.id)
+        return out, streamed
+
+    out, streamed = stack[0].run_until_complete(go())
+    assert out.status in ("completed", "incomplete") and out.output_text
+    assert streamed[-1] == "response.completed"
