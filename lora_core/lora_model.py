@@ -148,6 +148,7 @@ class LoRAModel:
         helper = peft_helper if peft_helper is not None else PEFTHelper.from_local_dir(lora_dir)
         expected = frozenset(expected_lora_modules)
         module_specs = list(module_specs) if module_specs is not None else None  # read twice below
+        specs = spec_index(module_specs)
         # Config first: it is cheap and rejects most bad adapters before a large file is read.
         raise_problems(helper.config_path, config_problems(helper, expected, lora_config))
         weights_path = _find_weights(lora_dir)
@@ -165,14 +166,14 @@ class LoRAModel:
                 raise_problems(path, [p for mt in modules.values() for p in value_problems(mt, path)])
             rank = known.rank
         else:
-            modules = checked_modules(_load_safetensors(weights_path, part), helper, path, expected,
-                                       spec_index(module_specs), max_rank)
+            modules = checked_modules(_load_safetensors(weights_path, part), helper, path, expected, specs,
+                                       max_rank)
             rank = max(mt.a[1].shape[0] for mt in modules.values())
             if key is not None:
                 keys = {name: ModuleKeys(mt.a[0], mt.b[0], mt.bias and mt.bias[0], mt.embedding)
                         for name, mt in modules.items()}
                 structures.put(key, CheckedStructure(keys, rank, *value_layout(header, keys)))
-        modules = split_fused(modules, spec_index(module_specs), path)
+        modules = split_fused(modules, specs, path)
         return cls(lora_model_id, rank, _build(modules, helper, device, dtype, copy), peft_helper=helper,
                    path=str(lora_dir))
 

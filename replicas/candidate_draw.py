@@ -25,10 +25,15 @@ import torch
 from replicas.seeded_noise import exponentials_reference
 
 
+def log_min_p(min_p: float) -> float:
+    """min_p as the draws take it: the masks read logits (p < min_p * p_max <=> l < l_max + ln(min_p)), and the
+    host takes the log of 0 as -inf where a kernel's log(0) would need a guard."""
+    return math.log(min_p) if min_p > 0 else -math.inf
+
+
 def settings_row(temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
-    """A row of `settings`. min_p goes as its logarithm: the mask reads logits (p < min_p * p_max <=> l < l_max
-    + ln(min_p)), and the host takes the log of 0 as -inf where a kernel's log(0) would need a guard."""
-    return [temperature, top_k, top_p, math.log(min_p) if min_p > 0 else -math.inf]
+    """A row of `settings`."""
+    return [temperature, top_k, top_p, log_min_p(min_p)]
 
 
 def draw_candidates_reference(values: torch.Tensor, ids: torch.Tensor, settings: torch.Tensor,

@@ -22,16 +22,15 @@ Scores are compared as logs, l / T - ln(q) (the log of p / q up to the row's con
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from replicas.candidate_draw import log_min_p
 from replicas.seeded_noise import exponentials_reference
 
 
 def settings_row(temperature: float, top_p: float, min_p: float) -> list[float]:
-    """A row of `settings` (min_p as its logarithm, as candidate_draw.settings_row takes it)."""
-    return [temperature, top_p, math.log(min_p) if min_p > 0 else -math.inf]
+    """A row of `settings`."""
+    return [temperature, top_p, log_min_p(min_p)]
 
 
 def draw_nucleus_reference(logits: torch.Tensor, settings: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

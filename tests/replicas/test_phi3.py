@@ -33,9 +33,15 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a city far away, there li
 @pytest.fixture(scope="module")
 def phi3_dir(demo, tmp_path_factory):
     """The "phi3" checkpoint over the demo tokenizer's vocabulary, with that tokenizer."""
+    return _with_demo_tokenizer(demo, tmp_path_factory.mktemp("phi3"))
+
+
+def _with_demo_tokenizer(demo, path, **fields):
+    """The "phi3" checkpoint (its config changed by fields) over the demo tokenizer's vocabulary, with that
+    tokenizer, at path."""
     demo_config = json.loads((demo.model_dir / "config.json").read_text())
     ids = {key: demo_config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
-    path = write_checkpoint(tmp_path_factory.mktemp("phi3"), "phi3", overrides=ids)
+    write_checkpoint(path, "phi3", overrides={**ids, **fields})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo.model_dir / name, path / name)
     return path
@@ -179,30 +185,20 @@ def test_partial_rotary_is_parsed_for_phi3():
 def longrope_dir(demo, tmp_path_factory):
     """A Phi-3.5-like checkpoint: longrope with uneven short factors, an original context of 32 of 128 (so an
     attention factor of sqrt(1 + ln 4 / ln 32)), over the demo tokenizer."""
-    demo_config = json.loads((demo.model_dir / "config.json").read_text())
-    fields = {key: demo_config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
-    fields.update(max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=None,
-                  rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5],
-                                "long_factor": [4.0] * 8})
-    path = write_checkpoint(tmp_path_factory.mktemp("longrope"), "phi3", overrides=fields)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo.model_dir / name, path / name)
-    return path
+    return _with_demo_tokenizer(
+        demo, tmp_path_factory.mktemp("longrope"), max_position_embeddings=128, original_max_position_embeddings=32,
+        sliding_window=None, rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5],
+                                           "long_factor": [4.0] * 8})
 
 
 @pytest.fixture(scope="module")
 def phi4_mini_like_dir(demo, tmp_path_factory):
     """Phi-4-mini's recipe, tiny: half of each head turned (partial_rotary_factor 0.5 of head_dim 16), longrope
     with a factor per turned frequency, tied embeddings."""
-    demo_config = json.loads((demo.model_dir / "config.json").read_text())
-    fields = {key: demo_config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
-    fields.update(max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=None,
-                  partial_rotary_factor=0.5, tie_word_embeddings=True,
-                  rope_scaling={"type": "longrope", "short_factor": [1.0, 2.0, 1.5, 3.0], "long_factor": [4.0] * 4})
-    path = write_checkpoint(tmp_path_factory.mktemp("phi4-mini"), "phi3", overrides=fields)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo.model_dir / name, path / name)
-    return path
+    return _with_demo_tokenizer(
+        demo, tmp_path_factory.mktemp("phi4-mini"), max_position_embeddings=128, original_max_position_embeddings=32,
+        sliding_window=None, partial_rotary_factor=0.5, tie_word_embeddings=True,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 2.0, 1.5, 3.0], "long_factor": [4.0] * 4})
 
 
 @pytest.mark.parametrize("checkpoint", ["longrope_dir", "phi4_mini_like_dir"])
