@@ -31,6 +31,20 @@ def log_min_p(min_p: float) -> float:
     return math.log(min_p) if min_p > 0 else -math.inf
 
 
+def candidate_width(top_k: int, vocab: int) -> int:
+    """How many candidates a group whose largest top_k is top_k takes from torch.topk: the next power of two (at
+    least 16, at most the vocabulary). Why: the kernel's variant follows the width, and a variant that warm-up
+    did not compile costs a compile (about a second) at the first request with that top_k; per power of two,
+    warm-up compiles them all (replicas/warm_up.py). The extra candidates cost topk nothing measurable, and
+    each row's own top_k still masks them."""
+    return min(vocab, max(16, 1 << (top_k - 1).bit_length()))
+
+
+def candidate_widths(vocab: int, most: int) -> list[int]:
+    """Every width candidate_width gives for top_k in 1..most."""
+    return sorted({candidate_width(1 << i, vocab) for i in range(max(1, most - 1).bit_length() + 1)})
+
+
 def settings_row(temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
     """A row of `settings`."""
     return [temperature, top_k, top_p, log_min_p(min_p)]

@@ -228,7 +228,8 @@ class Sampler:
         """Rows with top_k <= TOP_K_CANDIDATES draw among their top k only (torch.topk, not a sort of the whole
         vocabulary); temperature, min_p and top_p then apply to those candidates (replicas/candidate_draw.py).
         Temperature > 0 keeps the order, so the candidates are taken from the raw logits."""
-        values, ids = logits.topk(max(p.top_k for p in params), dim=-1)  # most likely first
+        width = candidate_draw.candidate_width(max(p.top_k for p in params), logits.shape[1])
+        values, ids = logits.topk(width, dim=-1)  # most likely first
         settings = _on([candidate_draw.settings_row(p.temperature, p.top_k, p.top_p, p.min_p) for p in params],
                        torch.float32, logits.device)
         return candidate_draw.draw_candidates(values, ids, settings, _on(key_pairs(keys), torch.long, logits.device))

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from replicas import candidate_draw, nucleus_draw
 from replicas.attention import AttentionMetadata
+from replicas.seeded_noise import exponentials, key_pairs
 from replicas.triton_compile import compile_ahead
 
 if TYPE_CHECKING:
@@ -37,7 +39,9 @@ def warm_up(runner: "ModelRunner") -> int:
         if ahead is not None:
             synthetic_steps(runner)
             run_graphs_eagerly(runner)
+            draw_kernels(runner)
     synthetic_steps(runner)  # for real: every variant loaded (or compiled) before traffic
+    draw_kernels(runner)
     torch.cuda.synchronize(runner.device)
     return capture_graphs(runner)
 
@@ -75,6 +79,28 @@ def synthetic_step(runner: "ModelRunner", num_tokens: int, num_adapters: int, nu
     hidden = runner.model(ids, positions, runner.kv_caches, meta)
     last = torch.tensor(lens).cumsum(0).sub_(1).to(runner.device)
     return runner.model.compute_logits(hidden.index_select(0, last)).float()
+
+
+@torch.inference_mode()
+def draw_kernels(runner: "ModelRunner") -> None:
+    """The sampler's Triton draws over random logits, once per variant, on rank 0 (the rank whose logits the
+    engine samples): the candidate draw at each width (candidate_draw.candidate_widths), the nucleus draw and the
+    seeded noise over the vocabulary. Without it the first request with top_p, or with a top_k of a new power
+    of two, compiled its variant in the middle of serving (bench/engine.py --sampling nucleus named it)."""
+    from replicas.sampler import TOP_K_CANDIDATES  # the sampler's module imports more than a runner needs
+
+    if runner.ctx.tp_rank != 0:
+        return
+    vocab = runner.model_config.vocab_size
+    logits = torch.randn(2, vocab, device=runner.device)
+    pairs = torch.tensor(key_pairs([1, 2]), device=runner.device)
+    for width in candidate_draw.candidate_widths(vocab, TOP_K_CANDIDATES):
+        values, ids = logits.topk(width, dim=-1)
+        settings = torch.tensor([candidate_draw.settings_row(1.0, width, 0.9, 0.0)] * 2, device=runner.device)
+        candidate_draw.draw_candidates(values, ids, settings, pairs)
+    settings = torch.tensor([nucleus_draw.settings_row(1.0, 0.9, 0.0)] * 2, device=runner.device)
+    nucleus_draw.draw_nucleus(logits, settings, pairs)
+    exponentials(pairs, vocab)
 
 
 def _layouts(runner: "ModelRunner"):

@@ -36,9 +36,30 @@ def _first_argmax(best, winner):
 
 
 @triton.jit
+def _pass(base, vocab, temperature, top, threshold, low, high, STRICT: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over the row, over the tokens whose scaled logit is above threshold (at or above it unless
+    STRICT): their mass (sum of exp(l / T - top)) and the first argmax of their scores l / T - ln(q).
+    Per-lane partial sums and argmaxes, reduced once at the end: a reduction across the block at every step
+    would cost more than the step's loads."""
+    offsets = tl.arange(0, BLOCK)
+    lane_mass = tl.zeros((BLOCK,), tl.float32)
+    lane_best = tl.full((BLOCK,), -float("inf"), tl.float32)
+    lane_winner = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + offsets
+        scaled = tl.load(base + cols, mask=cols < vocab, other=-float("inf")) / temperature
+        if STRICT:
+            counted = (cols < vocab) & (scaled > threshold)
+        else:
+            counted = (cols < vocab) & (scaled >= threshold)
+        lane_mass += tl.where(counted, tl.exp(scaled - top), 0.0)
+        scores = tl.where(counted, scaled - tl.log(exp_noise(cols.to(tl.uint32), low, high)), -float("inf"))
+        lane_best, lane_winner = _lane_argmax(lane_best, lane_winner, scores, cols)
+    return tl.sum(lane_mass, axis=0), _first_argmax(lane_best, lane_winner)
+
+
+@triton.jit
 def _nucleus_kernel(logits_ptr, settings_ptr, pairs_ptr, out_ptr, vocab, stride, BLOCK: tl.constexpr):
-    # Every pass keeps per-lane partial sums, maxima and argmaxes and reduces them once at its end: a
-    # reduction across the block at every step would cost more than the step's loads.
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     temperature = tl.load(settings_ptr + row * 3)
@@ -47,46 +68,23 @@ def _nucleus_kernel(logits_ptr, settings_ptr, pairs_ptr, out_ptr, vocab, stride,
     low = tl.load(pairs_ptr + row * 2).to(tl.uint32)
     high = tl.load(pairs_ptr + row * 2 + 1).to(tl.uint32)
     offsets = tl.arange(0, BLOCK)
-    minus_inf = tl.full((BLOCK,), -float("inf"), tl.float32)
 
-    lane_top = minus_inf
+    lane_top = tl.full((BLOCK,), -float("inf"), tl.float32)
     for start in range(0, vocab, BLOCK):
         cols = start + offsets
         lane_top = tl.maximum(lane_top, tl.load(base + cols, mask=cols < vocab, other=-float("inf")) / temperature)
     top = tl.max(lane_top, axis=0)
-    floor = top + log_min_p
 
-    lane_total = tl.zeros((BLOCK,), tl.float32)
-    lane_best = minus_inf
-    lane_winner = tl.zeros((BLOCK,), tl.int32)
-    for start in range(0, vocab, BLOCK):
-        cols = start + offsets
-        scaled = tl.load(base + cols, mask=cols < vocab, other=-float("inf")) / temperature
-        kept = (cols < vocab) & (scaled >= floor)
-        lane_total += tl.where(kept, tl.exp(scaled - top), 0.0)
-        scores = tl.where(kept, scaled - tl.log(exp_noise(cols.to(tl.uint32), low, high)), -float("inf"))
-        lane_best, lane_winner = _lane_argmax(lane_best, lane_winner, scores, cols)
-    total = tl.sum(lane_total, axis=0)
-    winner = _first_argmax(lane_best, lane_winner)
-
+    # the kept mass S and the first w: every token min_p keeps
+    total, winner = _pass(base, vocab, temperature, top, top + log_min_p, low, high, False, BLOCK)
     inside = False
     while not inside:
         pivot = tl.load(base + winner) / temperature
-        lane_above = tl.zeros((BLOCK,), tl.float32)
-        lane_best = minus_inf
-        lane_winner = tl.zeros((BLOCK,), tl.int32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + offsets
-            scaled = tl.load(base + cols, mask=cols < vocab, other=-float("inf")) / temperature
-            more = (cols < vocab) & (scaled > pivot)
-            lane_above += tl.where(more, tl.exp(scaled - top), 0.0)
-            scores = tl.where(more, scaled - tl.log(exp_noise(cols.to(tl.uint32), low, high)), -float("inf"))
-            lane_best, lane_winner = _lane_argmax(lane_best, lane_winner, scores, cols)
-        above = tl.sum(lane_above, axis=0)
+        above, after = _pass(base, vocab, temperature, top, pivot, low, high, True, BLOCK)
         # Nothing above w: w is the most likely token, always inside, so every row ends, a row of NaN or -inf
         # logits too (its total is NaN, no comparison with it holds). Else the next w is strictly above this one.
         inside = (above == 0.0) | (above < top_p * total)
-        winner = tl.where(inside, winner, _first_argmax(lane_best, lane_winner))
+        winner = tl.where(inside, winner, after)
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 

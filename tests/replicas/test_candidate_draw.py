@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from replicas.candidate_draw import draw_candidates, draw_candidates_reference, settings_row
+from replicas.candidate_draw import (candidate_width, candidate_widths, draw_candidates, draw_candidates_reference,
+                                     settings_row)
 from replicas.seeded_noise import key_pairs, row_key
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: on the GPU where there is one
@@ -102,6 +103,28 @@ def test_masked_candidates_are_never_drawn():
     pairs = torch.tensor(key_pairs([row_key(3, d) for d in range(500)]), dtype=torch.int64)
     for draw in (draw_candidates_reference, _kernel):
         assert set(draw(values, ids, settings, pairs).tolist()) == {0, 1}
+
+
+def test_a_wider_candidate_set_draws_the_same_tokens():
+    """The sampler takes candidate_width(top_k) candidates, a power of two, rather than top_k: the extra ones are
+    masked by each row's top_k, and candidate j's noise does not depend on the width."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 3000, generator=g)
+    pairs = torch.tensor(key_pairs([row_key(7, d) for d in range(12)]), dtype=torch.int64)
+    for top_k in (1, 5, 16, 50, 129, 1000):
+        settings = torch.tensor([settings_row(0.9, top_k, 0.95, 0.02)] * 12)
+        exact, wide = logits.topk(top_k, dim=1), logits.topk(candidate_width(top_k, 3000), dim=1)
+        assert wide.values.shape[1] > top_k or top_k in (16,)
+        assert torch.equal(draw_candidates_reference(wide.values, wide.indices, settings, pairs),
+                           draw_candidates_reference(exact.values, exact.indices, settings, pairs))
+
+
+def test_candidate_widths_are_few_and_cover_every_top_k():
+    for vocab in (128_256, 700, 9):
+        widths = candidate_widths(vocab, 1024)
+        assert len(widths) <= 7 and all(w <= vocab for w in widths)
+        assert {candidate_width(k, vocab) for k in range(1, min(vocab, 1024) + 1)} == set(widths)
+        assert all(candidate_width(k, vocab) >= k for k in range(1, min(vocab, 1024) + 1))
 
 
 @pytest.mark.gpu
