@@ -18,7 +18,7 @@ import torch
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")  # "su": longrope's older name
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su", "yarn")  # "su": longrope's older name
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -31,7 +31,9 @@ class ModelConfigError(ValueError):
 class RopeScaling:
     """rope_type "default" (none), "linear" (positions / factor), "llama3" (Llama 3.1 frequency bands) or
     "longrope" (Phi-3-128k, Phi-3.5: per-frequency factors, short_factor within the original context, and cos
-    and sin scaled by attention_factor)."""
+    and sin scaled by attention_factor) or "yarn" (Qwen2.5 / Qwen3 past 32 K: each frequency interpolated,
+    extrapolated or a blend by how many turns it makes in the original context, between beta_slow and
+    beta_fast; cos and sin scaled by attention_factor)."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -40,6 +42,9 @@ class RopeScaling:
     original_max_position_embeddings: int | None = None
     short_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,9 @@ class ModelConfig:
         if scaling.rope_type == "longrope":
             values["max_position_embeddings"] = _longrope_context(scaling, rotary_dim or values["head_dim"],
                                                                   values["max_position_embeddings"], where)
+        if scaling.rope_type == "yarn":  # the context YaRN stretches to, as vLLM serves it: original x factor
+            values["max_position_embeddings"] = max(values["max_position_embeddings"],
+                                                    int(scaling.original_max_position_embeddings * scaling.factor))
         gen = dict(generation_config or {})
         return cls(architecture=arch, model_type=model_type, **values, rope_theta=theta, rope_scaling=scaling,
                    **_biases(raw, model_type), qk_norm=model_type == "qwen3", rotary_dim=rotary_dim,
@@ -205,6 +213,8 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling]:
     try:
         if rope_type in ("longrope", "su"):
             return theta, _longrope(raw, params)
+        if rope_type == "yarn":
+            return theta, _yarn(raw, params, where)
         if rope_type == "linear":
             return theta, RopeScaling("linear", factor=float(params["factor"]))
         return theta, RopeScaling("llama3", factor=float(params["factor"]),
@@ -227,6 +237,31 @@ def _longrope(raw: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
     return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
                        short_factor=tuple(float(f) for f in params["short_factor"]),
                        attention_factor=float(attention))
+
+
+def _yarn(raw: dict[str, Any], params: dict[str, Any], where: str) -> RopeScaling:
+    """YaRN's fields as transformers reads them: the original context from the top level (where a config has
+    it there), else the rope fields, else max_position_embeddings; factor, else max_position_embeddings over
+    the original; attention_factor, else 0.1 ln(factor) + 1 (the ratio of two such terms with mscale and
+    mscale_all_dim); beta_fast 32 and beta_slow 1 where absent or 0."""
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    original = int(raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                   or max_positions)
+    factor = float(params["factor"]) if params.get("factor") is not None else max_positions / original
+    if not factor > 0 or original <= 0:
+        raise ModelConfigError(f"{where}: yarn rope scaling needs factor > 0 and original_max_position_embeddings "
+                               f"> 0, got {factor} and {original}")
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        given, all_dims = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(float(given)) / mscale(float(all_dims)) if given and all_dims else mscale()
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention), beta_fast=float(params.get("beta_fast") or 32),
+                       beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)))
 
 
 def _longrope_context(scaling: RopeScaling, rotary_dim: int, max_positions: int, where: str) -> int:

@@ -1,4 +1,5 @@
-"""Rotary position embedding, neox style (rotate halves, as HF Llama), with linear and llama3 scaling.
+"""Rotary position embedding, neox style (rotate halves, as HF Llama), with linear, llama3, longrope and yarn
+scaling.
 
 cos/sin are computed from the positions on each call (positions * inv_freq in
 float32, exactly as HF does), so no [max_position, head_dim] table is held.
@@ -30,6 +31,8 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = None
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3(inv_freq, scaling)
+    if scaling.rope_type == "yarn":
+        return _yarn(inv_freq, head_dim, base, scaling)
     raise ModelConfigError(f"rope type {scaling.rope_type!r} is not supported")
 
 
@@ -43,6 +46,23 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, base: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: a frequency that turns more than beta_fast times over the original context keeps its value
+    (extrapolated), one that turns less than beta_slow times is divided by factor (interpolated), and those
+    between blend linearly by their index; as transformers computes it (truncate: the range's ends rounded out)."""
+    def index(turns: float) -> float:  # the frequency index that makes `turns` turns over the original context
+        return dim * math.log(s.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = index(s.beta_fast), index(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    interpolated = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / s.factor * interpolated + inv_freq * (1 - interpolated)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

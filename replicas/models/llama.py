@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
         self.head_dim, self.qk_norm = hd, config.qk_norm
-        # longrope scales cos and sin by attention_factor: over whole heads q.k by its square (1 otherwise); a
+        # longrope and yarn scale cos and sin by attention_factor: over whole heads q.k by its square (1 otherwise); a
         # partly turned head's cos and sin carry it themselves (RotaryEmbedding.cos_sin_factor)
         factor = 1.0 if self.rotary_emb.partial else config.rope_scaling.attention_factor
         scale = hd ** -0.5 * factor ** 2

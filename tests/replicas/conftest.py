@@ -29,6 +29,11 @@ CHECKPOINTS = {
                                          rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "mistral_swa": ("MistralConfig", dict(num_key_value_heads=2, vocab_size=128, sliding_window=5)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, vocab_size=128)),
+    # YaRN as Qwen2.5 / Qwen3 ship it for long context; theta 100 and an original context of 64 put the 8
+    # frequencies in all three of its regions (kept, blended, divided by factor)
+    "qwen2_yarn": ("Qwen2Config", dict(num_key_value_heads=2, vocab_size=128, rope_theta=100.0,
+                                       rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64})),
     # head_dim 16 is not hidden / heads (64 / 2 = 32), as in Qwen3-0.6B (128 against 1024 / 16)
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=1, vocab_size=128, num_attention_heads=2,
                                   tie_word_embeddings=True)),

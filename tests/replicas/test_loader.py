@@ -132,7 +132,8 @@ def test_v4_style_rope_fields_and_biases():
 
 @pytest.mark.parametrize("change,match", [
     ({"architectures": ["GPT2LMHeadModel"]}, "not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 0.0}}, "factor > 0"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
     ({"hidden_size": None}, "malformed"),
     ({"num_key_value_heads": 3}, "key/value heads"),
