@@ -151,10 +151,10 @@ def test_parses_phi3_4k():
     ({"architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5}, "not supported for llama"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}}, "partial_rotary_factor 1.5 must"),
     ({"partial_rotary_factor": "most"}, "malformed partial_rotary_factor"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic' is not supported"),
     ({"rope_scaling": {"type": "longrope", **LONGROPE, "short_factor": [1.0] * 3}}, "short_factor has 3 factors"),
     ({"rope_scaling": {"type": "longrope", "long_factor": [2.0] * 4}}, "lacks 'short_factor'"),
-], ids=["odd-dims", "llama", "above-1", "malformed", "yarn", "short-factors", "no-short-factor"])
+], ids=["odd-dims", "llama", "above-1", "malformed", "dynamic", "short-factors", "no-short-factor"])
 def test_refused_phi3_configs_name_the_field(change, match):
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_dict({**PHI3, **change})
