@@ -6,7 +6,9 @@ caching, every full block whose KV has been computed is registered under a
 chain hash of (adapter id, the tokens of this block and of every block before
 it); a later sequence with the same adapter and prefix shares those blocks
 (ref counted). The adapter is part of the key because the same tokens under a
-different adapter have different keys and values. A block whose last user
+different adapter have different keys and values; so is, for a longrope model,
+whether the prompt is longer than the original context (long_rope_from): such
+a prompt's positions turn with other frequencies (replicas/layers/rotary.py). A block whose last user
 left stays cached until its slot is needed: such blocks are evicted LRU.
 """
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "lora_id", "prev_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "namespace", "prev_hash", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -29,22 +31,24 @@ class Block:
 
     def reset(self) -> None:
         self.block_hash: int | None = None
-        self.lora_id = 0
+        self.namespace: int | tuple[int, str] = 0
         self.prev_hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
 
 
-def block_key_hash(prev_hash: int | None, lora_id: int, token_ids: tuple[int, ...]) -> int:
-    return hash((prev_hash, lora_id, token_ids))
+def block_key_hash(prev_hash: int | None, namespace: int | tuple[int, str], token_ids: tuple[int, ...]) -> int:
+    return hash((prev_hash, namespace, token_ids))
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 long_rope_from: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.long_rope_from = long_rope_from
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._empty: deque[int] = deque(range(num_blocks))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # ref 0 but reusable; oldest first
@@ -70,14 +74,14 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix lookup --------------------------------------------------
-    def _lookup(self, prev_hash: int | None, lora_id: int, tokens: tuple[int, ...]) -> int | None:
-        h = block_key_hash(prev_hash, lora_id, tokens)
+    def _lookup(self, prev_hash: int | None, namespace: int | tuple[int, str], tokens: tuple[int, ...]) -> int | None:
+        h = block_key_hash(prev_hash, namespace, tokens)
         block_id = self._hash_to_block.get(h)
         if block_id is None:
             return None
         b = self.blocks[block_id]
         # Python's hash can collide; a hit must match the whole key.
-        if b.block_hash != h or b.prev_hash != prev_hash or b.lora_id != lora_id or b.token_ids != tokens:
+        if b.block_hash != h or b.prev_hash != prev_hash or b.namespace != namespace or b.token_ids != tokens:
             return None
         return block_id
 
@@ -91,12 +95,12 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         tokens = seq.all_token_ids
-        bs, lora_id = self.block_size, seq.lora_int_id
+        bs, namespace = self.block_size, self._namespace(seq)
         hits: list[int] = []
         prev: int | None = None
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            block_id = self._lookup(prev, lora_id, chunk)
+            block_id = self._lookup(prev, namespace, chunk)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -104,6 +108,13 @@ class BlockManager:
         return hits
 
     # -- allocation -----------------------------------------------------
+    def _namespace(self, seq: Sequence) -> int | tuple[int, str]:
+        """What a block's key holds besides tokens: the adapter id, and a mark for a longrope prompt past the
+        original context."""
+        if self.long_rope_from is not None and seq.num_prompt_tokens > self.long_rope_from:
+            return (seq.lora_int_id, "long rope")
+        return seq.lora_int_id
+
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._cached_prefix(seq)
         reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
@@ -177,8 +188,8 @@ class BlockManager:
             b = self.blocks[seq.block_table[i]]
             if b.block_hash is None:
                 b.token_ids = tuple(tokens[(i - start) * bs : (i - start + 1) * bs])
-                b.lora_id, b.prev_hash = seq.lora_int_id, prev
-                b.block_hash = block_key_hash(prev, b.lora_id, b.token_ids)
+                b.namespace, b.prev_hash = self._namespace(seq), prev
+                b.block_hash = block_key_hash(prev, b.namespace, b.token_ids)
                 # A duplicate of a block someone else registered stays private.
                 self._hash_to_block.setdefault(b.block_hash, b.block_id)
             prev = b.block_hash

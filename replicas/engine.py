@@ -86,7 +86,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_loras=args.max_loras if args.enable_lora else 0, max_model_len=self.max_model_len,
                             policy=args.scheduling_policy),
-            BlockManager(self.executor.runner.num_blocks, args.block_size, args.enable_prefix_caching))
+            BlockManager(self.executor.runner.num_blocks, args.block_size, args.enable_prefix_caching,
+                         mc.long_rope_from))
         self.sampler = Sampler(args.seed)
         self.grammars = GrammarBackend(self.tokenizer, mc.vocab_size)
         self._eos = tuple(mc.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
@@ -360,7 +361,8 @@ class LLMEngine:
                 self.executor.call("prefetch_loras", ids, sorted(self.scheduler.running_lora_ids()))
 
     def _step_input(self, out: SchedulerOutput, previous: SampledStep | None) -> tuple:
-        return step_input(out, previous)  # a method: tests and benches wrap it per engine (bench/profile_step.py)
+        # a method: tests and benches wrap it per engine (bench/profile_step.py)
+        return step_input(out, previous, self.model_config.long_rope_from)
 
     def _grammar_of(self, seq: Sequence) -> SequenceGrammar | None:
         state = self._requests.get(seq.request_id)

@@ -23,17 +23,23 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
           "float16": torch.float16, "half": torch.float16}
 
 
+# Added to a position to make the rotary embedding turn it with longrope's long factors below the original
+# context (replicas/layers/rotary.py): a power of two past any context served.
+LONG_ROPE = 1 << 32
+
+
 class ModelConfigError(ValueError):
     """A model directory's config cannot be served (unsupported, malformed, or bad engine settings)."""
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """rope_type "default" (none), "linear" (positions / factor), "llama3" (Llama 3.1 frequency bands) or
-    "longrope" (Phi-3-128k, Phi-3.5: per-frequency factors, short_factor within the original context, and cos
-    and sin scaled by attention_factor) or "yarn" (Qwen2.5 / Qwen3 past 32 K: each frequency interpolated,
-    extrapolated or a blend by how many turns it makes in the original context, between beta_slow and
-    beta_fast; cos and sin scaled by attention_factor)."""
+    """rope_type "default" (none), "linear" (positions / factor), "llama3" (Llama 3.1 frequency bands),
+    "longrope" (Phi-3-128k, Phi-3.5, Phi-4-mini: per-frequency factors, short_factor within the original
+    context and long_factor past it (replicas/layers/rotary.py), cos and sin scaled by attention_factor) or
+    "yarn" (Qwen2.5 / Qwen3 past 32 K: each frequency interpolated, extrapolated or a blend by how many turns
+    it makes in the original context, between beta_slow and beta_fast; cos and sin scaled by
+    attention_factor)."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -41,6 +47,7 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
@@ -120,8 +127,7 @@ class ModelConfig:
         theta, scaling = _rope(raw, where)
         rotary_dim = _rotary_dim(raw, model_type, values["head_dim"], where)
         if scaling.rope_type == "longrope":
-            values["max_position_embeddings"] = _longrope_context(scaling, rotary_dim or values["head_dim"],
-                                                                  values["max_position_embeddings"], where)
+            _check_longrope_factors(scaling, rotary_dim or values["head_dim"], where)
         if scaling.rope_type == "yarn":  # the context YaRN stretches to, as vLLM serves it: original x factor
             values["max_position_embeddings"] = max(values["max_position_embeddings"],
                                                     int(scaling.original_max_position_embeddings * scaling.factor))
@@ -133,6 +139,13 @@ class ModelConfig:
                    eos_token_ids=_token_ids(gen.get("eos_token_id", raw.get("eos_token_id"))),
                    dtype=resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"), device),
                    path=path, generation_config=gen)
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """longrope: the original context, from which positions turn with long_factor and past which a prompt
+        turns with it at every position (replicas/layers/rotary.py); None for every other rope type."""
+        s = self.rope_scaling
+        return s.original_max_position_embeddings if s.rope_type == "longrope" else None
 
     def check_tp(self, tp_size: int) -> None:
         """Raise ModelConfigError unless heads, kv heads and the MLP split evenly over tp_size ranks."""
@@ -226,9 +239,9 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling]:
 
 
 def _longrope(raw: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
-    """LongRoPE as transformers computes it for a sequence within the original context: frequencies divided by
-    short_factor, cos and sin times attention_factor (given, else sqrt(1 + ln(factor) / ln(original)) with
-    factor = max_position_embeddings / original, 1 where that is <= 1). KeyError for a missing field."""
+    """LongRoPE as transformers computes it: frequencies divided by short_factor within the original context,
+    by long_factor past it, cos and sin times attention_factor (given, else sqrt(1 + ln(factor) / ln(original))
+    with factor = max_position_embeddings / original, 1 where that is <= 1). KeyError for a missing field."""
     original = int(params.get("original_max_position_embeddings") or raw["original_max_position_embeddings"])
     factor = float(params.get("factor") or int(raw.get("max_position_embeddings", original)) / original)
     attention = params.get("attention_factor")
@@ -236,7 +249,7 @@ def _longrope(raw: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
                        short_factor=tuple(float(f) for f in params["short_factor"]),
-                       attention_factor=float(attention))
+                       long_factor=tuple(float(f) for f in params["long_factor"]), attention_factor=float(attention))
 
 
 def _yarn(raw: dict[str, Any], params: dict[str, Any], where: str) -> RopeScaling:
@@ -264,14 +277,12 @@ def _yarn(raw: dict[str, Any], params: dict[str, Any], where: str) -> RopeScalin
                        beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)))
 
 
-def _longrope_context(scaling: RopeScaling, rotary_dim: int, max_positions: int, where: str) -> int:
-    """The context a longrope model is served with: its original one. Past it transformers switches every
-    position to long_factor, which the rotary kernels do not compute yet; within it we compute what transformers
-    does. A short_factor that does not give each rotary frequency one factor is refused."""
-    if len(scaling.short_factor) != rotary_dim // 2:
-        raise ModelConfigError(f"{where}: longrope short_factor has {len(scaling.short_factor)} factors, expected "
-                               f"one per rotary frequency: {rotary_dim // 2}")
-    return min(max_positions, scaling.original_max_position_embeddings)
+def _check_longrope_factors(scaling: RopeScaling, rotary_dim: int, where: str) -> None:
+    """Refuse a short_factor or long_factor that does not give each rotary frequency one factor."""
+    for name, factors in (("short_factor", scaling.short_factor), ("long_factor", scaling.long_factor)):
+        if len(factors) != rotary_dim // 2:
+            raise ModelConfigError(f"{where}: longrope {name} has {len(factors)} factors, expected one per rotary "
+                                   f"frequency: {rotary_dim // 2}")
 
 
 def _rotary_dim(raw: dict[str, Any], model_type: str, head_dim: int, where: str) -> int | None:

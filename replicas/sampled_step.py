@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from replicas.model_config import LONG_ROPE
 from replicas.model_runner import StepInput
 from replicas.sampler import SamplerOutput
 from replicas.scheduler import SchedulerOutput
@@ -39,9 +40,15 @@ class SampledStep:
         return self.host_tokens.tolist()
 
 
-def step_input(out: SchedulerOutput, previous: SampledStep | None) -> tuple[StepInput, torch.Tensor | None]:
+def step_input(out: SchedulerOutput, previous: SampledStep | None,
+               long_rope_from: int | None = None) -> tuple[StepInput, torch.Tensor | None]:
     """A scheduled step's inputs, and the previous step's device tokens when some inputs are still pending
-    (async scheduling: the runner copies them into place on the device)."""
+    (async scheduling: the runner copies them into place on the device).
+
+    long_rope_from (ModelConfig.long_rope_from): the positions below it of a sequence whose prompt is longer
+    go in as p + LONG_ROPE, which the rotary embedding turns with longrope's long factors, as transformers
+    turns such a prompt. Only prompt tokens lie there (a decode token's position is past its prompt), so a
+    decode step's positions, which address its KV slots, are never encoded."""
     step = StepInput([], [], [], [], [], [], [], [], is_prefill=any(s.is_prefill for s in out.scheduled))
     rows = previous.rows if previous is not None else {}
     for s in out.scheduled:
@@ -53,7 +60,11 @@ def step_input(out: SchedulerOutput, previous: SampledStep | None) -> tuple[Step
             step.fill_from.append(rows[seq.request_id])
             ids[-1] = 0
         step.input_ids += ids
-        step.positions += list(range(s.start, s.start + s.num_new_tokens))
+        if long_rope_from is not None and s.start < long_rope_from < seq.num_prompt_tokens:
+            step.positions += [p + LONG_ROPE if p < long_rope_from else p
+                               for p in range(s.start, s.start + s.num_new_tokens)]
+        else:
+            step.positions += list(range(s.start, s.start + s.num_new_tokens))
         step.query_lens.append(s.num_new_tokens)
         step.seq_lens.append(s.start + s.num_new_tokens)
         step.block_tables.append(list(seq.block_table))

@@ -40,6 +40,9 @@ from triton.language.extra import libdevice
 from lora_core.punica.pending import PendingExpand
 from lora_core.punica.row_expand import row_expand, row_slot
 from replicas.layers.row_scale import RowScale
+from replicas.model_config import LONG_ROPE
+
+LONG_ROPE_OFFSET: tl.constexpr = tl.constexpr(LONG_ROPE)  # a kernel reads module globals only as constexprs
 
 _MAX_NORM_BLOCK = 8192  # a row up to this wide stays in registers; wider rows are read twice
 # SiluAndMul with a PendingExpand to add (lora_core/punica/pending.py): columns per program, each holding
@@ -235,7 +238,17 @@ def _rotate_heads(in_row, out_row, head0, num_heads, cos, sin,
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, inv_freq_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads,
+def rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF: tl.constexpr):
+    """Token tok's position times its row of inv_freq: the second row (longrope's long factors) at or past
+    long_from, and for a position encoded as p + LONG_ROPE (replicas/layers/rotary.py)."""
+    pos = tl.load(pos_ptr + tok)
+    row = (pos >= long_from).to(tl.int32)
+    pos = tl.where(pos >= LONG_ROPE_OFFSET, pos - LONG_ROPE_OFFSET, pos)
+    return pos.to(tl.float32) * tl.load(inv_freq_ptr + row * HALF + offs, mask=offs < HALF, other=0.0)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, inv_freq_ptr, long_from, q_ptr, k_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads,
                    sq, sk, sqo, sko,
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, Q_PROGRAMS: tl.constexpr,
                    PRECISE: tl.constexpr):
@@ -243,7 +256,7 @@ def _rotary_kernel(pos_ptr, inv_freq_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, nu
     tok = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
-    freqs = tl.load(pos_ptr + tok).to(tl.float32) * tl.load(inv_freq_ptr + offs, mask=offs < HALF, other=0.0)
+    freqs = rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF)
     dtype = q_ptr.dtype.element_ty
     cos = _cos(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
     sin = _sin(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
@@ -261,9 +274,10 @@ def _rotated_like(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
-           head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+           head_dim: int, long_from: int = 1 << 62) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T], q [T, Hq*head_dim], k [T, Hk*head_dim] (row strides free, e.g. views of a packed qkv),
-    inv_freq [head_dim/2] float32 -> new (q', k') of q's and k's shapes, neox rotate-half."""
+    inv_freq [head_dim/2] float32 (or [2, head_dim/2] with long_from: rope_freqs) -> new (q', k') of q's and
+    k's shapes, neox rotate-half."""
     if k.dtype != q.dtype:
         raise ValueError(f"q is {q.dtype} but k is {k.dtype}")
     num_tokens = positions.numel()
@@ -278,7 +292,8 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: 
     q_programs = triton.cdiv(num_q_heads, block_h)
     grid = (num_tokens, q_programs + triton.cdiv(num_k_heads, block_h))
     _rotary_kernel[grid](
-        positions.reshape(-1), inv_freq.float().contiguous(), q2, k2, q_out, k_out, num_q_heads, num_k_heads,
+        positions.reshape(-1), inv_freq.float().contiguous(), long_from, q2, k2, q_out, k_out, num_q_heads,
+        num_k_heads,
         q2.stride(0), k2.stride(0), q2.shape[1], k2.shape[1],
         HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, Q_PROGRAMS=q_programs, PRECISE=q.is_cuda,
         num_warps=2, **_launch_opts(q))

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from lora_core.punica.pending import PendingExpand
 from lora_core.punica.row_expand import cols_expand, row_slot
-from replicas.kernels.fused import _cos, _launch_opts, _row_inv, _rotated_like, _scale_args, _scale_consts, _sin
+from replicas.kernels.fused import (_cos, _launch_opts, _row_inv, _rotated_like, _scale_args, _scale_consts, _sin,
+                                    rope_freqs)
 from replicas.layers.row_scale import RowScale
 
 # heads per program: each holds [heads, head_dim, R] of B. 1 saved the most on an H100 (8B qkv, 32 rows over 1-32
@@ -35,7 +36,8 @@ def _with_delta(row, cols, b_cols, mask, s_row, b_slot, rank, sb_n, BLOCK_R: tl.
 
 
 @triton.jit
-def _rotary_lora_kernel(pos_ptr, inv_freq_ptr, y_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads, sy, sqo, sko,
+def _rotary_lora_kernel(pos_ptr, inv_freq_ptr, long_from, y_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads,
+                        sy, sqo, sko,
                         slots_ptr, s_ptr, b_ptr, ranks_ptr, ss_t, ss_l, sb_l, sb_n, sr_s, s_slice,
                         part_ptr, sp, eps, inv_n,
                         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -68,7 +70,7 @@ def _rotary_lora_kernel(pos_ptr, inv_freq_ptr, y_ptr, q_out_ptr, k_out_ptr, num_
         tl.store(y_row + idx, x1, mask=mask)
         tl.store(y_row + idx + HALF, x2, mask=mask)
     else:  # as fused._rotate_heads: every product rounded to the dtype
-        freqs = tl.load(pos_ptr + tok).to(tl.float32) * tl.load(inv_freq_ptr + offs, mask=offs < HALF, other=0.0)
+        freqs = rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF)
         dtype = x1.dtype
         cos = _cos(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
         sin = _sin(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
@@ -91,8 +93,8 @@ def fusable(lora: PendingExpand, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def rotary_lora(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,
-                head_dim: int, lora: PendingExpand,
-                row_scale: RowScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                head_dim: int, lora: PendingExpand, row_scale: RowScale | None = None,
+                long_from: int = 1 << 62) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq*D], k, v [T, Hk*D], views of lora.y (fusable) -> new rotated (q', k') with lora's expand added
     first, as fused.rotary after lora.apply() (and row_scale.apply_(q, k, v), if given); v gets both in place."""
     if not fusable(lora, q, k, v):
@@ -107,7 +109,8 @@ def rotary_lora(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     block_h = LORA_ROTARY_HEADS
     q_programs, k_programs = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_k_heads, block_h)
     _rotary_lora_kernel[(num_tokens, q_programs + 2 * k_programs)](
-        positions.reshape(-1), inv_freq.float().contiguous(), lora.y, q_out, k_out, num_q_heads, num_k_heads,
+        positions.reshape(-1), inv_freq.float().contiguous(), long_from, lora.y, q_out, k_out, num_q_heads,
+        num_k_heads,
         lora.y.stride(0), q_out.stride(0), k_out.stride(0), *lora.kernel_args(), *_scale_args(row_scale, lora.y),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, Q_PROGRAMS=q_programs,
         K_PROGRAMS=k_programs, BLOCK_R=max(16, triton.next_power_of_2(lora.slice_rank)), PRECISE=q.is_cuda,

@@ -3,6 +3,16 @@ scaling.
 
 cos/sin are computed from the positions on each call (positions * inv_freq in
 float32, exactly as HF does), so no [max_position, head_dim] table is held.
+
+longrope has two sets of frequencies: short_factor's within the original
+context, long_factor's past it. transformers picks one for a whole forward
+pass by the sequence's length, so a sequence whose prompt fits the original
+context turns its prompt with the short set and its tokens past it with the
+long one, and a longer prompt turns every position with the long set. Here
+the set is chosen per token: inv_freq holds both rows, a position at or past
+long_from takes the second, and so does a position encoded as p + LONG_ROPE
+(a token of a sequence whose prompt is longer than the original context:
+replicas/sampled_step.py encodes them, only ever in steps with prompt tokens).
 """
 
 from __future__ import annotations
@@ -15,16 +25,21 @@ from torch import nn
 from lora_core.punica.pending import PendingExpand
 from replicas.layers.norm import fused_ops
 from replicas.layers.row_scale import RowScale
-from replicas.model_config import ModelConfigError, RopeScaling
+from replicas.model_config import LONG_ROPE, ModelConfigError, RopeScaling
+
+NEVER_LONG = 1 << 62  # long_from for a rotary embedding with one set of frequencies
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:
-    """[head_dim/2] float32 inverse frequencies, scaled per ``scaling``."""
+    """[head_dim/2] float32 inverse frequencies, scaled per ``scaling``; longrope: [2, head_dim/2], the short
+    factors' row, then the long factors'."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (base ** exponents)
     scaling = scaling or RopeScaling()
-    if scaling.rope_type == "longrope":  # within the original context (model_config caps it there)
-        return 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32) * base ** exponents)
+    if scaling.rope_type == "longrope":
+        factors = torch.tensor([scaling.short_factor, scaling.long_factor or scaling.short_factor],
+                               dtype=torch.float32)
+        return 1.0 / (factors * base ** exponents)
     if scaling.rope_type == "default":
         return inv_freq
     if scaling.rope_type == "linear":
@@ -82,6 +97,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, base, scaling), persistent=False)
+        # positions from here on (and encoded ones, LONG_ROPE) take inv_freq's second row
+        self.long_from = NEVER_LONG if self.inv_freq.dim() == 1 else scaling.original_max_position_embeddings
         # longrope scales cos and sin. Over whole heads the attention's scale takes it (LlamaAttention: q.k times
         # its square), so the kernels stay as they are; the dimensions a partly turned head passes are not
         # scaled, so there cos and sin carry it.
@@ -93,7 +110,11 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, rotary_dim] in ``dtype``."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()
+        if self.inv_freq.dim() == 1:
+            freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()
+        else:
+            rows = self.inv_freq.float()[(positions >= self.long_from).long()]
+            freqs = torch.where(positions >= LONG_ROPE, positions - LONG_ROPE, positions).float().unsqueeze(-1) * rows
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return (emb.cos() * self.cos_sin_factor).to(dtype), (emb.sin() * self.cos_sin_factor).to(dtype)
 
@@ -113,13 +134,14 @@ class RotaryEmbedding(nn.Module):
                 from replicas.kernels import lora_rotary  # triton: CUDA only here
 
                 if lora_rotary.fusable(lora, q, k, v):
-                    return lora_rotary.rotary_lora(positions, q, k, v, self.inv_freq, self.head_dim, lora, row_scale)
+                    return lora_rotary.rotary_lora(positions, q, k, v, self.inv_freq, self.head_dim, lora, row_scale,
+                                                   self.long_from)
             lora.apply()
         if row_scale is not None:
             row_scale.apply_(q, k, v)
         if fused is None:
             return self.forward_native(positions, q, k)
-        return fused.rotary(positions, q, k, self.inv_freq, self.head_dim)
+        return fused.rotary(positions, q, k, self.inv_freq, self.head_dim, self.long_from)
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,8 @@ make every logit near zero and every comparison trivially close).
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,17 @@ def write_checkpoint(path: Path, name: str, seed: int = 0, overrides: dict | Non
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)
+    return path
+
+
+def phi3_over_demo_tokenizer(demo, path: Path, **fields: Any) -> Path:
+    """The "phi3" checkpoint (its config changed by fields) over the demo tokenizer's vocabulary, with that
+    tokenizer, at path."""
+    demo_config = json.loads((demo.model_dir / "config.json").read_text())
+    ids = {key: demo_config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    write_checkpoint(path, "phi3", overrides={**ids, **fields})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo.model_dir / name, path / name)
     return path
 
 

@@ -82,6 +82,25 @@ def test_same_tokens_under_other_adapter_never_share():
         assert s.num_computed_tokens == 0 and not set(s.block_table) & set(a.block_table)
 
 
+def test_a_longrope_prompt_past_the_original_context_shares_only_with_its_kind():
+    """long_rope_from 10: a prompt of more than 10 tokens is turned with longrope's long factors at every
+    position, so its first blocks' KV differ from a shorter prompt's with the same tokens."""
+    bm = BlockManager(32, BS, long_rope_from=10)
+    short = seq("short", range(10))
+    bm.allocate(short)
+    computed(bm, short)
+    first = seq("long", range(14))
+    bm.allocate(first)
+    assert first.num_computed_tokens == 0 and not set(first.block_table) & set(short.block_table)
+    computed(bm, first)
+    second = seq("long-2", list(range(12)) + [90, 91])
+    bm.allocate(second)
+    assert second.num_computed_tokens == 12 and second.block_table[:3] == first.block_table[:3]
+    again = seq("short-2", list(range(8)) + [70])
+    bm.allocate(again)
+    assert again.num_computed_tokens == 8 and again.block_table[:2] == short.block_table[:2]
+
+
 def test_prefix_not_shared_before_it_is_computed():
     bm = BlockManager(16, BS)
     a = seq("a", range(12))

@@ -13,13 +13,17 @@ import torch
 from replicas.attention import write_kv
 from replicas.kernels import fused
 from replicas.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from replicas.model_config import RopeScaling
+from replicas.model_config import LONG_ROPE, RopeScaling
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 LLAMA3 = RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                      original_max_position_embeddings=8192)
+# two rows of frequencies: the short factors' below position 17, the long ones' from there and for encoded positions
+LONGROPE = RopeScaling(rope_type="longrope", original_max_position_embeddings=17,
+                       short_factor=(1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5),
+                       long_factor=(9.0, 7.0, 5.0, 4.0, 3.0, 2.0, 1.5, 1.0))
 
 
 def _randn(*shape, dtype, seed, scale=1.0):
@@ -80,6 +84,7 @@ def test_rms_norm_of_strided_rows_and_float32_weight():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,scaling", [
     (4, 2, 16, None), (8, 1, 64, LLAMA3), (6, 6, 48, RopeScaling(rope_type="linear", factor=2.0)), (32, 8, 128, None),
+    (4, 2, 16, LONGROPE),
 ])
 def test_rotary_matches_torch(num_heads, num_kv_heads, head_dim, scaling, dtype):
     rope = RotaryEmbedding(head_dim, 500000.0, scaling).to(DEVICE)
@@ -88,9 +93,11 @@ def test_rotary_matches_torch(num_heads, num_kv_heads, head_dim, scaling, dtype)
     qkv = _randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=head_dim)
     q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)  # strided views, as in LlamaAttention
     positions = torch.tensor([0, 1, 17, 4095, 100_000], device=DEVICE)
+    if scaling is LONGROPE:  # one a long prompt's token below the original context: the long factors there too
+        positions[1] += LONG_ROPE
     qkv_before = qkv.clone()
 
-    q_out, k_out = fused.rotary(positions, q, k, rope.inv_freq, head_dim)
+    q_out, k_out = fused.rotary(positions, q, k, rope.inv_freq, head_dim, rope.long_from)
     q_ref, k_ref = rope.forward_native(positions, q, k)
     assert torch.equal(qkv, qkv_before), "q and k are left alone"
     for out, ref in ((q_out, q_ref), (k_out, k_ref)):

@@ -24,6 +24,7 @@ from lora_core.punica.triton_kernels import RANK_MASK_GROUP
 from replicas.kernels import fused
 from replicas.kernels import lora_norm
 from replicas.layers import RMSNorm, RotaryEmbedding, SiluAndMul, norm
+from replicas.model_config import LONG_ROPE, RopeScaling
 from tests.lora_core.punica_cases import stacked_weights
 
 ON_GPU = torch.cuda.is_available()
@@ -167,16 +168,21 @@ QKV = (Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", sorted(ROW_SLOTS))
-@pytest.mark.parametrize("heads_per_program", [1, 2, 4])
-def test_rotary_adds_the_pending_qkv_expand(rows, heads_per_program, dtype, monkeypatch):
+@pytest.mark.parametrize("heads_per_program,longrope", [(1, False), (2, False), (4, False), (2, True)])
+def test_rotary_adds_the_pending_qkv_expand(rows, heads_per_program, longrope, dtype, monkeypatch):
     """lora_rotary.rotary_lora: q and k rotated after their expand, v's expand added in place, q and k's
-    columns of the qkv output left alone."""
+    columns of the qkv output left alone. longrope: short and long frequencies, and encoded positions."""
     from replicas.kernels import lora_rotary
 
     monkeypatch.setattr(lora_rotary, "LORA_ROTARY_HEADS", heads_per_program)
-    rope = RotaryEmbedding(HEAD_DIM, 10000.0).to(DEVICE)
+    scaling = RopeScaling("longrope", original_max_position_embeddings=50,
+                          short_factor=(1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5),
+                          long_factor=(9.0, 7.0, 5.0, 4.0, 3.0, 2.0, 1.5, 1.0)) if longrope else None
+    rope = RotaryEmbedding(HEAD_DIM, 10000.0, scaling).to(DEVICE)
     qkv = _randn(rows, sum(QKV), dtype=dtype, seed=5, scale=2.0)
     positions = (torch.arange(rows) * 37).to(DEVICE)
+    if longrope:
+        positions[::3] += LONG_ROPE
     args = (ROW_SLOTS[rows], QKV, dtype, rows + 200)
     want = _reference_input(qkv, args)
     want_q, want_k, want_v = want.split(QKV, -1)
@@ -184,7 +190,8 @@ def test_rotary_adds_the_pending_qkv_expand(rows, heads_per_program, dtype, monk
 
     got = qkv.clone()
     q, k, v = got.split(QKV, -1)
-    out_q, out_k = lora_rotary.rotary_lora(positions, q, k, v, rope.inv_freq, HEAD_DIM, _pending(*args, True, got))
+    out_q, out_k = lora_rotary.rotary_lora(positions, q, k, v, rope.inv_freq, HEAD_DIM, _pending(*args, True, got),
+                                           long_from=rope.long_from)
     _close(out_q, ref_q)
     _close(out_k, ref_k)
     _close(v, want_v)

@@ -9,9 +9,6 @@ tensors is checked row by row, the window is shown to matter, and the refusals n
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import shutil
 
 import pytest
 import torch
@@ -22,7 +19,7 @@ from replicas.model_config import ModelConfig, ModelConfigError
 from replicas.models import Phi3ForCausalLM, load_model
 from replicas.parallel import ParallelContext
 from replicas.sampling_params import SamplingParams
-from tests.replicas.conftest import (build_model, peft_greedy_reference, run_steps, write_checkpoint,
+from tests.replicas.conftest import (build_model, peft_greedy_reference, phi3_over_demo_tokenizer, run_steps,
                                      write_peft_adapter)
 
 STEPS = 8
@@ -33,18 +30,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a city far away, there li
 @pytest.fixture(scope="module")
 def phi3_dir(demo, tmp_path_factory):
     """The "phi3" checkpoint over the demo tokenizer's vocabulary, with that tokenizer."""
-    return _with_demo_tokenizer(demo, tmp_path_factory.mktemp("phi3"))
-
-
-def _with_demo_tokenizer(demo, path, **fields):
-    """The "phi3" checkpoint (its config changed by fields) over the demo tokenizer's vocabulary, with that
-    tokenizer, at path."""
-    demo_config = json.loads((demo.model_dir / "config.json").read_text())
-    ids = {key: demo_config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
-    write_checkpoint(path, "phi3", overrides={**ids, **fields})
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo.model_dir / name, path / name)
-    return path
+    return phi3_over_demo_tokenizer(demo, tmp_path_factory.mktemp("phi3"))
 
 
 @pytest.fixture(scope="module")
@@ -154,67 +140,19 @@ def test_parses_phi3_4k():
     ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic' is not supported"),
     ({"rope_scaling": {"type": "longrope", **LONGROPE, "short_factor": [1.0] * 3}}, "short_factor has 3 factors"),
     ({"rope_scaling": {"type": "longrope", "long_factor": [2.0] * 4}}, "lacks 'short_factor'"),
-], ids=["odd-dims", "llama", "above-1", "malformed", "dynamic", "short-factors", "no-short-factor"])
+    ({"rope_scaling": {"type": "longrope", **LONGROPE, "long_factor": [1.0] * 5}}, "long_factor has 5 factors"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [2.0] * 4}}, "lacks 'long_factor'"),
+], ids=["odd-dims", "llama", "above-1", "malformed", "dynamic", "short-factors", "no-short-factor", "long-factors",
+        "no-long-factor"])
 def test_refused_phi3_configs_name_the_field(change, match):
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_dict({**PHI3, **change})
-
-
-@pytest.mark.parametrize("layout", [
-    {"rope_scaling": {"type": "longrope", **LONGROPE}},  # Phi-3.5-mini's config.json
-    {"rope_scaling": {"type": "su", **LONGROPE}},  # Phi-3-mini-128k's older name
-    {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE}},  # transformers v5
-], ids=["longrope", "su", "v5"])
-def test_longrope_is_served_within_its_original_context(layout):
-    cfg = ModelConfig.from_dict({**PHI3, "max_position_embeddings": 131072, **layout})
-    s = cfg.rope_scaling
-    assert (s.rope_type, s.short_factor, s.original_max_position_embeddings) == ("longrope", (1.0,) * 4, 4096)
-    assert cfg.max_position_embeddings == 4096  # past it transformers takes long_factor, not computed here
-    assert s.attention_factor == pytest.approx(math.sqrt(1 + math.log(131072 / 4096) / math.log(4096)))
-    given = ModelConfig.from_dict({**PHI3, "rope_scaling": {"type": "longrope", **LONGROPE, "attention_factor": 1.1}})
-    assert given.rope_scaling.attention_factor == 1.1
 
 
 def test_partial_rotary_is_parsed_for_phi3():
     v4 = ModelConfig.from_dict({**PHI3, "partial_rotary_factor": 0.75, "head_dim": 16})  # Phi-4-mini: 96 of 128
     v5 = ModelConfig.from_dict({**PHI3, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})
     assert (v4.rotary_dim, v5.rotary_dim, ModelConfig.from_dict(PHI3).rotary_dim) == (12, 4, None)
-
-
-@pytest.fixture(scope="module")
-def longrope_dir(demo, tmp_path_factory):
-    """A Phi-3.5-like checkpoint: longrope with uneven short factors, an original context of 32 of 128 (so an
-    attention factor of sqrt(1 + ln 4 / ln 32)), over the demo tokenizer."""
-    return _with_demo_tokenizer(
-        demo, tmp_path_factory.mktemp("longrope"), max_position_embeddings=128, original_max_position_embeddings=32,
-        sliding_window=None, rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5],
-                                           "long_factor": [4.0] * 8})
-
-
-@pytest.fixture(scope="module")
-def phi4_mini_like_dir(demo, tmp_path_factory):
-    """Phi-4-mini's recipe, tiny: half of each head turned (partial_rotary_factor 0.5 of head_dim 16), longrope
-    with a factor per turned frequency, tied embeddings."""
-    return _with_demo_tokenizer(
-        demo, tmp_path_factory.mktemp("phi4-mini"), max_position_embeddings=128, original_max_position_embeddings=32,
-        sliding_window=None, partial_rotary_factor=0.5, tie_word_embeddings=True,
-        rope_scaling={"type": "longrope", "short_factor": [1.0, 2.0, 1.5, 3.0], "long_factor": [4.0] * 4})
-
-
-@pytest.mark.parametrize("checkpoint", ["longrope_dir", "phi4_mini_like_dir"])
-def test_longrope_generation_matches_hf_within_the_original_context(checkpoint, request):
-    model_dir = request.getfixturevalue(checkpoint)
-    llm = LLM(str(model_dir), dtype="float32", device="cpu")
-    try:
-        assert llm.engine.max_model_len == 32
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=1, ignore_eos=True))
-    finally:
-        llm.shutdown()
-    want = peft_greedy_reference(model_dir, {}, PROMPTS, [None] * len(PROMPTS), STEPS)
-    for out, (tokens, logprobs) in zip(outputs, want):
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        assert max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs)) < 2e-3
 
 
 FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's module names, as PEFT targets them

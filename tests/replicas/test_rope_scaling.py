@@ -14,7 +14,8 @@ BASE = dict(vocab_size=32, hidden_size=128, intermediate_size=64, num_hidden_lay
             num_key_value_heads=1)
 CASES = {
     "yarn": ("Qwen2", dict(rope_theta=1e6, max_position_embeddings=32768,
-                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})),
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                         "original_max_position_embeddings": 32768})),
     "yarn-betas": ("Qwen2", dict(rope_theta=1e4, max_position_embeddings=4096,
                                  rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2,
                                                "original_max_position_embeddings": 512, "truncate": False})),
