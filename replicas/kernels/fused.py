@@ -238,12 +238,15 @@ def _rotate_heads(in_row, out_row, head0, num_heads, cos, sin,
 
 
 @triton.jit
-def rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF: tl.constexpr):
-    """Token tok's position times its row of inv_freq: the second row (longrope's long factors) at or past
-    long_from, and for a position encoded as p + LONG_ROPE (replicas/layers/rotary.py)."""
+def rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF: tl.constexpr, TWO_SETS: tl.constexpr):
+    """Token tok's position times its frequencies. TWO_SETS (longrope): inv_freq's second row at or past
+    long_from, and for a position encoded as p + LONG_ROPE (replicas/layers/rotary.py); a constexpr, as the
+    choice cost every other model's rotary 0.1-0.2 us a launch (H200, bench/fused_ops.py)."""
     pos = tl.load(pos_ptr + tok)
-    row = (pos >= long_from).to(tl.int32)
-    pos = tl.where(pos >= LONG_ROPE_OFFSET, pos - LONG_ROPE_OFFSET, pos)
+    row = 0
+    if TWO_SETS:
+        row = (pos >= long_from).to(tl.int32)
+        pos = tl.where(pos >= LONG_ROPE_OFFSET, pos - LONG_ROPE_OFFSET, pos)
     return pos.to(tl.float32) * tl.load(inv_freq_ptr + row * HALF + offs, mask=offs < HALF, other=0.0)
 
 
@@ -251,12 +254,12 @@ def rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF: tl.constexpr):
 def _rotary_kernel(pos_ptr, inv_freq_ptr, long_from, q_ptr, k_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads,
                    sq, sk, sqo, sko,
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, Q_PROGRAMS: tl.constexpr,
-                   PRECISE: tl.constexpr):
+                   PRECISE: tl.constexpr, TWO_SETS: tl.constexpr):
     """Program (t, j) rotates BLOCK_H heads of token t: q heads for j < Q_PROGRAMS, then k heads."""
     tok = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
-    freqs = rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF)
+    freqs = rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF, TWO_SETS)
     dtype = q_ptr.dtype.element_ty
     cos = _cos(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
     sin = _sin(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
@@ -296,7 +299,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: 
         num_k_heads,
         q2.stride(0), k2.stride(0), q2.shape[1], k2.shape[1],
         HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, Q_PROGRAMS=q_programs, PRECISE=q.is_cuda,
-        num_warps=2, **_launch_opts(q))
+        TWO_SETS=inv_freq.dim() == 2, num_warps=2, **_launch_opts(q))
     return q_out, k_out
 
 

@@ -42,7 +42,7 @@ def _rotary_lora_kernel(pos_ptr, inv_freq_ptr, long_from, y_ptr, q_out_ptr, k_ou
                         part_ptr, sp, eps, inv_n,
                         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                         Q_PROGRAMS: tl.constexpr, K_PROGRAMS: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr):
+                        PRECISE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr, TWO_SETS: tl.constexpr):
     """y [T, (Hq + 2 Hk) * D] = [q | k | v]. Program (t, j): BLOCK_H heads of q (j < Q_PROGRAMS), of k, then of v.
     CHUNKS > 0: a RowScale's factor after the expand (v's part too), rounded as RowScale.apply_ rounds it."""
     tok = tl.program_id(0).to(tl.int64)
@@ -70,7 +70,7 @@ def _rotary_lora_kernel(pos_ptr, inv_freq_ptr, long_from, y_ptr, q_out_ptr, k_ou
         tl.store(y_row + idx, x1, mask=mask)
         tl.store(y_row + idx + HALF, x2, mask=mask)
     else:  # as fused._rotate_heads: every product rounded to the dtype
-        freqs = rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF)
+        freqs = rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF, TWO_SETS)
         dtype = x1.dtype
         cos = _cos(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
         sin = _sin(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
@@ -114,5 +114,5 @@ def rotary_lora(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         lora.y.stride(0), q_out.stride(0), k_out.stride(0), *lora.kernel_args(), *_scale_args(row_scale, lora.y),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, Q_PROGRAMS=q_programs,
         K_PROGRAMS=k_programs, BLOCK_R=max(16, triton.next_power_of_2(lora.slice_rank)), PRECISE=q.is_cuda,
-        **_scale_consts(row_scale), num_warps=LORA_ROTARY_WARPS, **_launch_opts(q))
+        **_scale_consts(row_scale), TWO_SETS=inv_freq.dim() == 2, num_warps=LORA_ROTARY_WARPS, **_launch_opts(q))
     return q_out, k_out

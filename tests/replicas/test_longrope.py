@@ -130,7 +130,7 @@ def test_generation_matches_hf_across_the_original_context(checkpoint, request):
     prefix cache."""
     model_dir = request.getfixturevalue(checkpoint)
     llm = LLM(str(model_dir), dtype="float32", device=DEVICE, max_num_batched_tokens=16, max_num_seqs=4,
-              enable_prefix_caching=True, block_size=4)
+              enable_prefix_caching=True)
     prompts = _prompts(llm.engine.model_config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=1, ignore_eos=True)
     try:
