@@ -64,14 +64,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, PHI3_MINI, QWEN3_8B, TINY, AdapterPools,  # noqa: E402
-                                   Recorder, Request, adapter_bytes, assign_adapters, copy_bandwidth, drive,
-                                   kv_bytes_per_token, make_requests, summarize, weight_bytes, write_model_dir)
+from bench.engine_workload import (LLAMA3_8B, LLAMA32_1B, PHI3_MINI, PHI4_MINI, QWEN3_8B, TINY,  # noqa: E402
+                                   AdapterPools, Recorder, Request, adapter_bytes, assign_adapters, copy_bandwidth,
+                                   drive, kv_bytes_per_token, make_requests, summarize, weight_bytes,
+                                   write_model_dir)
 from bench.triton_compiles import CompileLog  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 
-POPULARITIES = (("none", "none", 1), ("one", "one", 1), ("one97", "one97", 1), ("one90", "one90", 1), ("distinct", "distinct", 0), ("uniform100", "uniform", 100),
-                ("zipf100", "zipf", 100), ("uniform1000", "uniform", 1000), ("zipf1000", "zipf", 1000))
+POPULARITIES = (("none", "none", 1), ("one", "one", 1), ("one97", "one97", 1), ("one90", "one90", 1),
+                ("distinct", "distinct", 0), ("uniform100", "uniform", 100), ("zipf100", "zipf", 100),
+                ("uniform1000", "uniform", 1000), ("zipf1000", "zipf", 1000))
 GPU = dict(num_requests=128, concurrency=32, input_len=(8, 512), output_len=(8, 512), hf_batch=32, hf_prompt=128,
            hf_new=64)
 CPU_TINY = dict(num_requests=12, concurrency=4, input_len=(4, 24), output_len=(2, 12), hf_batch=4, hf_prompt=16,
@@ -261,7 +263,7 @@ def hf_rows(a, work: Path, dtype: torch.dtype, emit) -> None:
     emit(dict(scenario="ours-distinct", rank=16, registered=n, tok_s=tok_s, x_hf=tok_s / hf))
 
 
-MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B, "phi3-mini": PHI3_MINI}
+MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B, "phi3-mini": PHI3_MINI, "phi4-mini": PHI4_MINI}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -50,6 +50,15 @@ QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_s
 PHI3_MINI = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192, vocab_size=32064,
                  max_position_embeddings=4096, sliding_window=2047, rope_theta=10000.0)
+# Phi-4-mini: 96 of each head's 128 dimensions turn, longrope (48 factors a set; the benchmark's sequences stay
+# within the original 4 K context, but both sets and the attention factor on cos and sin are in the kernels), tied
+# embeddings over a 200 K vocabulary
+PHI4_MINI = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072, num_hidden_layers=32,
+                 num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192, vocab_size=200064,
+                 max_position_embeddings=131072, original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                 tie_word_embeddings=True, rope_theta=10000.0,
+                 rope_scaling=dict(type="longrope", short_factor=[1.0 + i / 48 for i in range(48)],
+                                   long_factor=[1.0 + i for i in range(48)]))
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -26,6 +26,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from replicas.kernels import fused  # noqa: E402
+from replicas.kernels import rotary as rope_kernel  # noqa: E402
 from replicas.layers import RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
 from replicas.model_config import RopeScaling  # noqa: E402
 
@@ -60,7 +61,7 @@ def cases(tokens: int, dtype: torch.dtype):
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     positions = torch.randint(0, 8192, (tokens,), device="cuda")
     yield ("rotary", lambda: rope.forward_native(positions, q, k),
-           lambda: fused.rotary(positions, q, k, rope.inv_freq, HEAD_DIM), 2 * tokens * (q_size + kv_size) * size)
+           lambda: rope_kernel.rotary(positions, q, k, rope.inv_freq, HEAD_DIM), 2 * tokens * (q_size + kv_size) * size)
 
     gate_up = torch.randn(tokens, 2 * INTER, device="cuda", dtype=dtype)
     act = SiluAndMul()

@@ -26,6 +26,7 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
 # Added to a position to make the rotary embedding turn it with longrope's long factors below the original
 # context (replicas/layers/rotary.py): a power of two past any context served.
 LONG_ROPE = 1 << 32
+NEVER_LONG = 1 << 62  # where a rotary embedding with one set of frequencies would take a second
 
 
 class ModelConfigError(ValueError):

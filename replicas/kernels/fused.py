@@ -7,10 +7,6 @@ matches bit for bit up to the order of a float32 sum and ~1 ulp of the libm):
         y = w * (h / sqrt(mean(h^2) + eps)).to(x.dtype), the norm in float32
         (replicas.layers.norm.RMSNorm.forward_native)
     rms_norm(x, w, eps) -> y                     the same without the add
-    rotary(positions [T], q [T, Hq*D], k [T, Hk*D], inv_freq [D/2], D) -> (q', k'):
-        neox rotate-half with cos/sin of positions * inv_freq computed in
-        float32 and cast to q.dtype before the multiply
-        (replicas.layers.rotary.RotaryEmbedding.forward_native)
     silu_and_mul(x [..., 2I]) -> silu(x[..., :I]) * x[..., I:]
         (replicas.layers.norm.SiluAndMul.forward_native); with lora= (a two-slice
         lora_core.punica.pending.PendingExpand) gate and up first get each row's
@@ -40,9 +36,6 @@ from triton.language.extra import libdevice
 from lora_core.punica.pending import PendingExpand
 from lora_core.punica.row_expand import row_expand, row_slot
 from replicas.layers.row_scale import RowScale
-from replicas.model_config import LONG_ROPE
-
-LONG_ROPE_OFFSET: tl.constexpr = tl.constexpr(LONG_ROPE)  # a kernel reads module globals only as constexprs
 
 _MAX_NORM_BLOCK = 8192  # a row up to this wide stays in registers; wider rows are read twice
 # SiluAndMul with a PendingExpand to add (lora_core/punica/pending.py): columns per program, each holding
@@ -71,24 +64,6 @@ def _launch_opts(t: torch.Tensor) -> dict:
 
 
 @triton.jit
-def _cos(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        y = libdevice.cos(x)
-    else:
-        y = tl.cos(x)
-    return y
-
-
-@triton.jit
-def _sin(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        y = libdevice.sin(x)
-    else:
-        y = tl.sin(x)
-    return y
-
-
-@triton.jit
 def _exp(x, PRECISE: tl.constexpr):
     if PRECISE:
         y = libdevice.exp(x)
@@ -103,6 +78,24 @@ def _rsqrt(x, PRECISE: tl.constexpr):
         y = libdevice.rsqrt(x)
     else:
         y = tl.math.rsqrt(x)
+    return y
+
+
+@triton.jit
+def _cos(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.cos(x)
+    else:
+        y = tl.cos(x)
+    return y
+
+
+@triton.jit
+def _sin(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.sin(x)
+    else:
+        y = tl.sin(x)
     return y
 
 
@@ -217,90 +210,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
     return _rms_norm(x, residual, weight, eps)
-
-
-@triton.jit
-def _rotate_heads(in_row, out_row, head0, num_heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out = x * cos + rotate_half(x) * sin for heads head0.. of one token, every product rounded to x's dtype."""
-    heads = head0 + tl.arange(0, BLOCK_H)
-    offs = tl.arange(0, BLOCK_HALF)
-    mask = (heads < num_heads)[:, None] & (offs < HALF)[None, :]
-    idx = heads[:, None] * (2 * HALF) + offs[None, :]
-    x1 = tl.load(in_row + idx, mask=mask, other=0.0)
-    x2 = tl.load(in_row + idx + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    o1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
-    o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(out_row + idx, o1.to(dtype), mask=mask)
-    tl.store(out_row + idx + HALF, o2.to(dtype), mask=mask)
-
-
-@triton.jit
-def rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF: tl.constexpr, TWO_SETS: tl.constexpr):
-    """Token tok's position times its frequencies. TWO_SETS (longrope): inv_freq's second row at or past
-    long_from, and for a position encoded as p + LONG_ROPE (replicas/layers/rotary.py); a constexpr, as the
-    choice cost every other model's rotary 0.1-0.2 us a launch (H200, bench/fused_ops.py)."""
-    pos = tl.load(pos_ptr + tok)
-    row = 0
-    if TWO_SETS:
-        row = (pos >= long_from).to(tl.int32)
-        pos = tl.where(pos >= LONG_ROPE_OFFSET, pos - LONG_ROPE_OFFSET, pos)
-    return pos.to(tl.float32) * tl.load(inv_freq_ptr + row * HALF + offs, mask=offs < HALF, other=0.0)
-
-
-@triton.jit
-def _rotary_kernel(pos_ptr, inv_freq_ptr, long_from, q_ptr, k_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads,
-                   sq, sk, sqo, sko,
-                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, Q_PROGRAMS: tl.constexpr,
-                   PRECISE: tl.constexpr, TWO_SETS: tl.constexpr):
-    """Program (t, j) rotates BLOCK_H heads of token t: q heads for j < Q_PROGRAMS, then k heads."""
-    tok = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_HALF)
-    freqs = rope_freqs(pos_ptr, tok, inv_freq_ptr, long_from, offs, HALF, TWO_SETS)
-    dtype = q_ptr.dtype.element_ty
-    cos = _cos(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
-    sin = _sin(freqs, PRECISE).to(dtype).to(tl.float32)[None, :]
-    if j < Q_PROGRAMS:
-        _rotate_heads(q_ptr + tok * sq, q_out_ptr + tok * sqo, j * BLOCK_H, num_q_heads, cos, sin,
-                      HALF, BLOCK_HALF, BLOCK_H)
-    else:
-        _rotate_heads(k_ptr + tok * sk, k_out_ptr + tok * sko, (j - Q_PROGRAMS) * BLOCK_H, num_k_heads, cos, sin,
-                      HALF, BLOCK_HALF, BLOCK_H)
-
-
-def _rotated_like(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """New (q', k') for a rotary kernel's outputs: q's and k's shapes, contiguous (q and k may be views)."""
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device))
-
-
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
-           head_dim: int, long_from: int = 1 << 62) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T], q [T, Hq*head_dim], k [T, Hk*head_dim] (row strides free, e.g. views of a packed qkv),
-    inv_freq [head_dim/2] float32 (or [2, head_dim/2] with long_from: rope_freqs) -> new (q', k') of q's and
-    k's shapes, neox rotate-half."""
-    if k.dtype != q.dtype:
-        raise ValueError(f"q is {q.dtype} but k is {k.dtype}")
-    num_tokens = positions.numel()
-    q2, k2 = _rows(q.reshape(num_tokens, -1)), _rows(k.reshape(num_tokens, -1))
-    q_out, k_out = _rotated_like(q, k)
-    if num_tokens == 0:
-        return q_out, k_out
-    half = head_dim // 2
-    num_q_heads, num_k_heads = q2.shape[1] // head_dim, k2.shape[1] // head_dim
-    block_half = triton.next_power_of_2(half)
-    block_h = max(1, min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 256 // block_half))
-    q_programs = triton.cdiv(num_q_heads, block_h)
-    grid = (num_tokens, q_programs + triton.cdiv(num_k_heads, block_h))
-    _rotary_kernel[grid](
-        positions.reshape(-1), inv_freq.float().contiguous(), long_from, q2, k2, q_out, k_out, num_q_heads,
-        num_k_heads,
-        q2.stride(0), k2.stride(0), q2.shape[1], k2.shape[1],
-        HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, Q_PROGRAMS=q_programs, PRECISE=q.is_cuda,
-        TWO_SETS=inv_freq.dim() == 2, num_warps=2, **_launch_opts(q))
-    return q_out, k_out
 
 
 @triton.jit

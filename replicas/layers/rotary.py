@@ -25,9 +25,8 @@ from torch import nn
 from lora_core.punica.pending import PendingExpand
 from replicas.layers.norm import fused_ops
 from replicas.layers.row_scale import RowScale
-from replicas.model_config import LONG_ROPE, ModelConfigError, RopeScaling
+from replicas.model_config import LONG_ROPE, NEVER_LONG, ModelConfigError, RopeScaling
 
-NEVER_LONG = 1 << 62  # long_from for a rotary embedding with one set of frequencies
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:
@@ -89,7 +88,7 @@ class RotaryEmbedding(nn.Module):
     """forward(positions [T], q [T, n_q*d], k [T, n_k*d]) -> rotated (q, k), same shapes and dtype.
 
     rotary_dim: the leading dimensions of each head that turn (Phi-4-mini: 96 of 128), the rest passing through;
-    None: all of them. Such a model takes the torch path: the Triton kernels turn whole heads."""
+    None: all of them."""
 
     def __init__(self, head_dim: int, base: float, scaling: RopeScaling | None = None,
                  rotary_dim: int | None = None) -> None:
@@ -99,9 +98,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, base, scaling), persistent=False)
         # positions from here on (and encoded ones, LONG_ROPE) take inv_freq's second row
         self.long_from = NEVER_LONG if self.inv_freq.dim() == 1 else scaling.original_max_position_embeddings
-        # longrope scales cos and sin. Over whole heads the attention's scale takes it (LlamaAttention: q.k times
-        # its square), so the kernels stay as they are; the dimensions a partly turned head passes are not
-        # scaled, so there cos and sin carry it.
+        # longrope and yarn scale cos and sin. Over whole heads the attention's scale takes it (LlamaAttention:
+        # q.k times its square), which costs nothing; the dimensions a partly turned head passes are not scaled,
+        # so there cos and sin carry it.
         self.cos_sin_factor = scaling.attention_factor if scaling is not None and self.partial else 1.0
 
     @property
@@ -124,7 +123,8 @@ class RotaryEmbedding(nn.Module):
         it is owed to: on CUDA one kernel adds it as it rotates (v in place); elsewhere it runs first.
         row_scale: the RowScale the norm before qkv_proj left (with v): applied after the expand, v's part in
         place, by the same kernel or first."""
-        fused = None if self.partial else fused_ops(q)
+        fused = fused_ops(q)
+        shape = dict(long_from=self.long_from, rotary_dim=self.rotary_dim, cos_sin_factor=self.cos_sin_factor)
         if row_scale is not None and v is None:
             raise ValueError("RotaryEmbedding takes a row_scale with q, k and v: v needs it too")
         if lora is not None:
@@ -135,13 +135,15 @@ class RotaryEmbedding(nn.Module):
 
                 if lora_rotary.fusable(lora, q, k, v):
                     return lora_rotary.rotary_lora(positions, q, k, v, self.inv_freq, self.head_dim, lora, row_scale,
-                                                   self.long_from)
+                                                   **shape)
             lora.apply()
         if row_scale is not None:
             row_scale.apply_(q, k, v)
         if fused is None:
             return self.forward_native(positions, q, k)
-        return fused.rotary(positions, q, k, self.inv_freq, self.head_dim, self.long_from)
+        from replicas.kernels import rotary  # triton: CUDA only here
+
+        return rotary.rotary(positions, q, k, self.inv_freq, self.head_dim, **shape)
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 
 from replicas.attention import write_kv
 from replicas.kernels import fused
+from replicas.kernels import rotary as rope_kernel
 from replicas.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from replicas.model_config import LONG_ROPE, RopeScaling
 
@@ -23,7 +24,7 @@ LLAMA3 = RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_f
 # two rows of frequencies: the short factors' below position 17, the long ones' from there and for encoded positions
 LONGROPE = RopeScaling(rope_type="longrope", original_max_position_embeddings=17,
                        short_factor=(1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5),
-                       long_factor=(9.0, 7.0, 5.0, 4.0, 3.0, 2.0, 1.5, 1.0))
+                       long_factor=(9.0, 7.0, 5.0, 4.0, 3.0, 2.0, 1.5, 1.0), attention_factor=1.19)
 
 
 def _randn(*shape, dtype, seed, scale=1.0):
@@ -82,12 +83,14 @@ def test_rms_norm_of_strided_rows_and_float32_weight():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,scaling", [
-    (4, 2, 16, None), (8, 1, 64, LLAMA3), (6, 6, 48, RopeScaling(rope_type="linear", factor=2.0)), (32, 8, 128, None),
-    (4, 2, 16, LONGROPE),
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,scaling,rotary_dim", [
+    (4, 2, 16, None, None), (8, 1, 64, LLAMA3, None), (6, 6, 48, RopeScaling(rope_type="linear", factor=2.0), None),
+    (32, 8, 128, None, None), (4, 2, 16, LONGROPE, None),
+    # a head partly turned (Phi-4-mini: 96 of 128), with longrope's factor on cos and sin
+    (24, 8, 128, None, 96), (4, 2, 48, LONGROPE, 16),
 ])
-def test_rotary_matches_torch(num_heads, num_kv_heads, head_dim, scaling, dtype):
-    rope = RotaryEmbedding(head_dim, 500000.0, scaling).to(DEVICE)
+def test_rotary_matches_torch(num_heads, num_kv_heads, head_dim, scaling, rotary_dim, dtype):
+    rope = RotaryEmbedding(head_dim, 500000.0, scaling, rotary_dim).to(DEVICE)
     num_tokens = 5
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = _randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=head_dim)
@@ -97,7 +100,8 @@ def test_rotary_matches_torch(num_heads, num_kv_heads, head_dim, scaling, dtype)
         positions[1] += LONG_ROPE
     qkv_before = qkv.clone()
 
-    q_out, k_out = fused.rotary(positions, q, k, rope.inv_freq, head_dim, rope.long_from)
+    q_out, k_out = rope_kernel.rotary(positions, q, k, rope.inv_freq, head_dim, rope.long_from, rope.rotary_dim,
+                                      rope.cos_sin_factor)
     q_ref, k_ref = rope.forward_native(positions, q, k)
     assert torch.equal(qkv, qkv_before), "q and k are left alone"
     for out, ref in ((q_out, q_ref), (k_out, k_ref)):
@@ -148,8 +152,9 @@ def test_layers_stay_on_torch_off_cuda(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a fused kernel ran on a CPU tensor")
 
-    for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul"):
         monkeypatch.setattr(fused, name, refuse)
+    monkeypatch.setattr(rope_kernel, "rotary", refuse)
     x = torch.randn(3, 32)
     RMSNorm(32)(x), RMSNorm(32)(x, x), SiluAndMul()(x)
     RotaryEmbedding(16, 10000.0)(torch.arange(3), x, x)
@@ -166,8 +171,9 @@ def test_layers_dispatch_to_fused_kernels_on_cuda(monkeypatch):
             return kernel(*args, **kwargs)
         return run
 
-    for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul"):
         monkeypatch.setattr(fused, name, counted(name, getattr(fused, name)))
+    monkeypatch.setattr(rope_kernel, "rotary", counted("rotary", rope_kernel.rotary))
     dtype = torch.bfloat16
     tol = dict(rtol=_ulps(dtype, 2), atol=_ulps(dtype, 8))
     norm = RMSNorm(4096, 1e-5, dtype).cuda()
@@ -196,7 +202,7 @@ def test_fused_kernels_replay_in_cuda_graph():
 
     def step():
         return (fused.fused_add_rms_norm(x, r, weight, 1e-5)[0],
-                *fused.rotary(pos, qkv[:, :4096], qkv[:, 4096:5120], inv_freq, 128),
+                *rope_kernel.rotary(pos, qkv[:, :4096], qkv[:, 4096:5120], inv_freq, 128),
                 fused.silu_and_mul(gate_up))
 
     step()  # compile outside the capture

@@ -168,20 +168,23 @@ QKV = (Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", sorted(ROW_SLOTS))
-@pytest.mark.parametrize("heads_per_program,longrope", [(1, False), (2, False), (4, False), (2, True)])
-def test_rotary_adds_the_pending_qkv_expand(rows, heads_per_program, longrope, dtype, monkeypatch):
+@pytest.mark.parametrize("heads_per_program,rope_kind", [(1, None), (2, None), (4, None), (2, "longrope"),
+                                                       (1, "partial"), (2, "partial")])
+def test_rotary_adds_the_pending_qkv_expand(rows, heads_per_program, rope_kind, dtype, monkeypatch):
     """lora_rotary.rotary_lora: q and k rotated after their expand, v's expand added in place, q and k's
-    columns of the qkv output left alone. longrope: short and long frequencies, and encoded positions."""
+    columns of the qkv output left alone. longrope: short and long frequencies, and encoded positions;
+    partial: half of each head turned, cos and sin scaled (Phi-4-mini's longrope), the rest expanded only."""
     from replicas.kernels import lora_rotary
 
     monkeypatch.setattr(lora_rotary, "LORA_ROTARY_HEADS", heads_per_program)
-    scaling = RopeScaling("longrope", original_max_position_embeddings=50,
-                          short_factor=(1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5),
-                          long_factor=(9.0, 7.0, 5.0, 4.0, 3.0, 2.0, 1.5, 1.0)) if longrope else None
-    rope = RotaryEmbedding(HEAD_DIM, 10000.0, scaling).to(DEVICE)
+    turned = HEAD_DIM // 2 if rope_kind == "partial" else HEAD_DIM
+    scaling = RopeScaling("longrope", original_max_position_embeddings=50, attention_factor=1.19,
+                          short_factor=(1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5)[:turned // 2],
+                          long_factor=(9.0, 7.0, 5.0, 4.0, 3.0, 2.0, 1.5, 1.0)[:turned // 2]) if rope_kind else None
+    rope = RotaryEmbedding(HEAD_DIM, 10000.0, scaling, turned).to(DEVICE)
     qkv = _randn(rows, sum(QKV), dtype=dtype, seed=5, scale=2.0)
     positions = (torch.arange(rows) * 37).to(DEVICE)
-    if longrope:
+    if rope_kind:
         positions[::3] += LONG_ROPE
     args = (ROW_SLOTS[rows], QKV, dtype, rows + 200)
     want = _reference_input(qkv, args)
@@ -191,7 +194,8 @@ def test_rotary_adds_the_pending_qkv_expand(rows, heads_per_program, longrope, d
     got = qkv.clone()
     q, k, v = got.split(QKV, -1)
     out_q, out_k = lora_rotary.rotary_lora(positions, q, k, v, rope.inv_freq, HEAD_DIM, _pending(*args, True, got),
-                                           long_from=rope.long_from)
+                                           long_from=rope.long_from, rotary_dim=rope.rotary_dim,
+                                           cos_sin_factor=rope.cos_sin_factor)
     _close(out_q, ref_q)
     _close(out_k, ref_k)
     _close(v, want_v)
