@@ -18,7 +18,7 @@ from replicas.layers import RotaryEmbedding
 from replicas.llm import LLM
 from replicas.model_config import LONG_ROPE, ModelConfig
 from replicas.sampling_params import SamplingParams
-from tests.replicas.conftest import phi3_over_demo_tokenizer
+from tests.replicas.conftest import peft_greedy_reference, phi3_over_demo_tokenizer, write_peft_adapter
 
 ORIGINAL = 32  # the tiny checkpoints' original context, of 128
 SHORT = [1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5]
@@ -67,7 +67,8 @@ def longrope_dir(demo, tmp_path_factory):
     factor of sqrt(1 + ln 4 / ln 32)), over the demo tokenizer."""
     return phi3_over_demo_tokenizer(
         demo, tmp_path_factory.mktemp("longrope"), max_position_embeddings=128,
-        original_max_position_embeddings=ORIGINAL, sliding_window=None, rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG})
+        original_max_position_embeddings=ORIGINAL, sliding_window=None,
+        rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG})
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +156,31 @@ def test_tp2_matches_hf_across_the_original_context(longrope_dir):
     finally:
         llm.shutdown()
     _assert_matches(outputs, hf_cached_greedy(longrope_dir, chosen, 16))
+
+
+TEXT_PROMPTS = ["The quick brown fox", "Once upon a time in a city far away, there lived", "SELECT"]
+TEXT_STEPS = 8
+
+
+def test_an_adapter_on_a_partly_turned_head_matches_hf_peft(phi4_mini_like_dir, tmp_path):
+    """A LoRA on the fused qkv_proj of a partly turned head (on CUDA the rotary kernel adds its expand to the
+    turned and the passed dimensions; on CPU the expand runs first): transformers + PEFT's tokens, base and
+    adapter in one batch, within the original context."""
+    from lora_core.request import LoRARequest
+
+    adapters = {"fused": write_peft_adapter(phi4_mini_like_dir, tmp_path / "fused", 30, r=8, lora_alpha=16,
+                                            target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])}
+    names = [None, "fused", "fused"]
+    llm = LLM(str(phi4_mini_like_dir), enable_lora=True, max_loras=1, max_lora_rank=8, dtype="float32",
+              device=DEVICE)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=TEXT_STEPS, logprobs=1, ignore_eos=True)
+        lora = LoRARequest("fused", 1, str(adapters["fused"]))
+        outputs = llm.generate(TEXT_PROMPTS, params, [lora if n else None for n in names])
+    finally:
+        llm.shutdown()
+    want = peft_greedy_reference(phi4_mini_like_dir, adapters, TEXT_PROMPTS, names, TEXT_STEPS)
+    for out, (tokens, logprobs), name in zip(outputs, want, names):
+        got = out.outputs[0]
+        assert got.token_ids == tokens, name
+        assert max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs)) < 2e-3, name
