@@ -19,7 +19,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_ROWS = ["base"] + [f"{p}-r{r}" for r in (16, 64)
-                          for p in ("none", "one", "one97", "one90", "distinct", "uniform100", "zipf100", "uniform1000", "zipf1000")]
+                          for p in ("none", "one", "one97", "one90", "distinct", "uniform100", "zipf100", "uniform1000",
+                                    "zipf1000")]
 HF_ROWS = ["hf-peft-base", "hf-peft-distinct", "ours-distinct"]
 NUMERIC = 16  # columns after the scenario name in an engine row
 X_BOUND = 14  # of those, x bnd

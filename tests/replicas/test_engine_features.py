@@ -304,7 +304,8 @@ def test_chat_template_kwargs_are_the_templates_variables(llm, monkeypatch):
     monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"
                                               "{% if enable_thinking is defined and not enable_thinking %}!{% endif %}")
     one = [{"role": "user", "content": "Write a query"}]
-    thinking, quiet = (llm.chat(one, greedy(1), chat_template_kwargs=kw)[0] for kw in (None, {"enable_thinking": False}))
+    thinking, quiet = (llm.chat(one, greedy(1), chat_template_kwargs=kw)[0]
+                       for kw in (None, {"enable_thinking": False}))
     assert thinking.prompt_token_ids == tok.encode("Write a query", add_special_tokens=False)
     assert quiet.prompt_token_ids == tok.encode("Write a query!", add_special_tokens=False)
     with pytest.raises(InvalidRequestError, match="add_generation_prompt"):
