@@ -14,6 +14,10 @@ class EngineError(Exception):
     """Base class of every error the engine raises on purpose."""
 
 
+class ModelConfigError(EngineError, ValueError):
+    """A model directory's config cannot be served (unsupported, malformed, or bad engine settings)."""
+
+
 class InvalidRequestError(EngineError, ValueError):
     """A request cannot be served as asked: a bad sampling parameter, an empty
     prompt, a prompt longer than the model's context.

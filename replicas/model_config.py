@@ -1,58 +1,25 @@
 """ModelConfig: what the engine needs from an HF-format model directory.
 
 Reads config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3 architectures) and, when present,
-generation_config.json. Both the transformers v4 layout (top-level
-``rope_theta`` + ``rope_scaling``) and the v5 one (``rope_parameters``) parse
-to the same RopeScaling.
+generation_config.json; the rope fields in replicas/rope_config.py.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from replicas.errors import ModelConfigError
+from replicas.rope_config import RopeScaling, check_longrope_factors, parse_rope, rotary_dim_of
+
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su", "yarn")  # "su": longrope's older name
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
-
-
-# Added to a position to make the rotary embedding turn it with longrope's long factors below the original
-# context (replicas/layers/rotary.py): a power of two past any context served.
-LONG_ROPE = 1 << 32
-NEVER_LONG = 1 << 62  # where a rotary embedding with one set of frequencies would take a second
-
-
-class ModelConfigError(ValueError):
-    """A model directory's config cannot be served (unsupported, malformed, or bad engine settings)."""
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """rope_type "default" (none), "linear" (positions / factor), "llama3" (Llama 3.1 frequency bands),
-    "longrope" (Phi-3-128k, Phi-3.5, Phi-4-mini: per-frequency factors, short_factor within the original
-    context and long_factor past it (replicas/layers/rotary.py), cos and sin scaled by attention_factor) or
-    "yarn" (Qwen2.5 / Qwen3 past 32 K: each frequency interpolated, extrapolated or a blend by how many turns
-    it makes in the original context, between beta_slow and beta_fast; cos and sin scaled by
-    attention_factor)."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -125,10 +92,10 @@ class ModelConfig:
                                    f"{values['num_key_value_heads']} key/value heads")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-        theta, scaling = _rope(raw, where)
-        rotary_dim = _rotary_dim(raw, model_type, values["head_dim"], where)
+        theta, scaling = parse_rope(raw, where)
+        rotary_dim = rotary_dim_of(raw, model_type, values["head_dim"], where)
         if scaling.rope_type == "longrope":
-            _check_longrope_factors(scaling, rotary_dim or values["head_dim"], where)
+            check_longrope_factors(scaling, rotary_dim or values["head_dim"], where)
         if scaling.rope_type == "yarn":  # the context YaRN stretches to, as vLLM serves it: original x factor
             values["max_position_embeddings"] = max(values["max_position_embeddings"],
                                                     int(scaling.original_max_position_embeddings * scaling.factor))
@@ -208,105 +175,6 @@ def _architecture(raw: dict[str, Any], where: str) -> str:
             return by_type[raw["model_type"]]
     raise ModelConfigError(f"{where}: architecture {archs or raw.get('model_type')!r} is not supported; "
                            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-
-
-def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
-    """The rope fields of either layout: v4's rope_scaling, v5's rope_parameters."""
-    return {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
-
-
-def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling]:
-    params = _rope_params(raw)
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:  # e.g. Phi-3-128k / Phi-3.5 / Phi-4-mini's "longrope" (or "su")
-        field = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
-        raise ModelConfigError(f"{where}: {field} type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
-    if rope_type == "default":
-        return theta, RopeScaling()
-    try:
-        if rope_type in ("longrope", "su"):
-            return theta, _longrope(raw, params)
-        if rope_type == "yarn":
-            return theta, _yarn(raw, params, where)
-        if rope_type == "linear":
-            return theta, RopeScaling("linear", factor=float(params["factor"]))
-        return theta, RopeScaling("llama3", factor=float(params["factor"]),
-                                  low_freq_factor=float(params["low_freq_factor"]),
-                                  high_freq_factor=float(params["high_freq_factor"]),
-                                  original_max_position_embeddings=int(params["original_max_position_embeddings"]))
-    except KeyError as exc:
-        raise ModelConfigError(f"{where}: {rope_type} rope scaling lacks {exc.args[0]!r}") from None
-
-
-def _longrope(raw: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
-    """LongRoPE as transformers computes it: frequencies divided by short_factor within the original context,
-    by long_factor past it, cos and sin times attention_factor (given, else sqrt(1 + ln(factor) / ln(original))
-    with factor = max_position_embeddings / original, 1 where that is <= 1). KeyError for a missing field."""
-    original = int(params.get("original_max_position_embeddings") or raw["original_max_position_embeddings"])
-    factor = float(params.get("factor") or int(raw.get("max_position_embeddings", original)) / original)
-    attention = params.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
-                       short_factor=tuple(float(f) for f in params["short_factor"]),
-                       long_factor=tuple(float(f) for f in params["long_factor"]), attention_factor=float(attention))
-
-
-def _yarn(raw: dict[str, Any], params: dict[str, Any], where: str) -> RopeScaling:
-    """YaRN's fields as transformers reads them: the original context from the top level (where a config has
-    it there), else the rope fields, else max_position_embeddings; factor, else max_position_embeddings over
-    the original; attention_factor, else 0.1 ln(factor) + 1 (the ratio of two such terms with mscale and
-    mscale_all_dim); beta_fast 32 and beta_slow 1 where absent or 0."""
-    max_positions = int(raw.get("max_position_embeddings", 2048))
-    original = int(raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-                   or max_positions)
-    factor = float(params["factor"]) if params.get("factor") is not None else max_positions / original
-    if not factor > 0 or original <= 0:
-        raise ModelConfigError(f"{where}: yarn rope scaling needs factor > 0 and original_max_position_embeddings "
-                               f"> 0, got {factor} and {original}")
-
-    def mscale(scale: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
-
-    attention = params.get("attention_factor")
-    if attention is None:
-        given, all_dims = params.get("mscale"), params.get("mscale_all_dim")
-        attention = mscale(float(given)) / mscale(float(all_dims)) if given and all_dims else mscale()
-    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
-                       attention_factor=float(attention), beta_fast=float(params.get("beta_fast") or 32),
-                       beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)))
-
-
-def _check_longrope_factors(scaling: RopeScaling, rotary_dim: int, where: str) -> None:
-    """Refuse a short_factor or long_factor that does not give each rotary frequency one factor."""
-    for name, factors in (("short_factor", scaling.short_factor), ("long_factor", scaling.long_factor)):
-        if len(factors) != rotary_dim // 2:
-            raise ModelConfigError(f"{where}: longrope {name} has {len(factors)} factors, expected one per rotary "
-                                   f"frequency: {rotary_dim // 2}")
-
-
-def _rotary_dim(raw: dict[str, Any], model_type: str, head_dim: int, where: str) -> int | None:
-    """partial_rotary_factor (top level or in the rope fields) as the dimensions it turns; None for all of them.
-    Only Phi-3's transformers code lets the rest of a head pass through (Phi-4-mini: 0.75): elsewhere such a
-    config is refused rather than computed some other way."""
-    rotary_dim = None
-    for value in (raw.get("partial_rotary_factor"), _rope_params(raw).get("partial_rotary_factor")):
-        try:
-            partial = None if value is None else float(value)
-        except (TypeError, ValueError):
-            raise ModelConfigError(f"{where}: malformed partial_rotary_factor {value!r}") from None
-        if partial is None or partial == 1.0:
-            continue
-        dim = int(head_dim * partial)  # transformers' rounding
-        if model_type != "phi3":
-            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} is not supported for {model_type} "
-                                   f"(only Phi-3 turns part of a head)")
-        if not 0 < partial < 1 or dim % 2:
-            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} must turn an even number of a "
-                                   f"head's {head_dim} dimensions, got {dim}")
-        rotary_dim = dim
-    return rotary_dim
 
 
 def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from replicas.model_config import LONG_ROPE
+from replicas.rope_config import LONG_ROPE
 from replicas.model_runner import StepInput
 from replicas.sampler import SamplerOutput
 from replicas.scheduler import SchedulerOutput

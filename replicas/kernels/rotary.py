@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from replicas.kernels.fused import _cos, _launch_opts, _rows, _sin
-from replicas.model_config import LONG_ROPE, NEVER_LONG
+from replicas.rope_config import LONG_ROPE, NEVER_LONG
 
 LONG_ROPE_OFFSET: tl.constexpr = tl.constexpr(LONG_ROPE)  # a kernel reads module globals only as constexprs
 

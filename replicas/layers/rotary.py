@@ -25,7 +25,8 @@ from torch import nn
 from lora_core.punica.pending import PendingExpand
 from replicas.layers.norm import fused_ops
 from replicas.layers.row_scale import RowScale
-from replicas.model_config import LONG_ROPE, NEVER_LONG, ModelConfigError, RopeScaling
+from replicas.model_config import ModelConfigError
+from replicas.rope_config import LONG_ROPE, NEVER_LONG, RopeScaling
 
 
 

@@ -14,7 +14,7 @@ from replicas.attention import write_kv
 from replicas.kernels import fused
 from replicas.kernels import rotary as rope_kernel
 from replicas.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from replicas.model_config import LONG_ROPE, RopeScaling
+from replicas.rope_config import LONG_ROPE, RopeScaling
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -24,7 +24,7 @@ from lora_core.punica.triton_kernels import RANK_MASK_GROUP
 from replicas.kernels import fused
 from replicas.kernels import lora_norm
 from replicas.layers import RMSNorm, RotaryEmbedding, SiluAndMul, norm
-from replicas.model_config import LONG_ROPE, RopeScaling
+from replicas.rope_config import LONG_ROPE, RopeScaling
 from tests.lora_core.punica_cases import stacked_weights
 
 ON_GPU = torch.cuda.is_available()

@@ -16,7 +16,8 @@ import torch
 
 from replicas.layers import RotaryEmbedding
 from replicas.llm import LLM
-from replicas.model_config import LONG_ROPE, ModelConfig
+from replicas.model_config import ModelConfig
+from replicas.rope_config import LONG_ROPE
 from replicas.sampling_params import SamplingParams
 from tests.replicas.conftest import peft_greedy_reference, phi3_over_demo_tokenizer, write_peft_adapter
 
