@@ -1,6 +1,6 @@
 """ModelConfig: what the engine needs from an HF-format model directory.
 
-Reads config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3 architectures) and, when present,
+Reads config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 architectures) and, when present,
 generation_config.json; the rope fields in replicas/rope_config.py.
 """
 
@@ -14,10 +14,12 @@ from typing import Any
 import torch
 
 from replicas.errors import ModelConfigError
+from replicas.gemma3_config import gemma3_fields
 from replicas.rope_config import RopeScaling, check_longrope_factors, parse_rope, rotary_dim_of
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
+                           "Gemma3ForCausalLM": "gemma3"}
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -46,6 +48,15 @@ class ModelConfig:
     # turns 96 of 128); the rest pass through. None: the whole head.
     rotary_dim: int | None = None
     sliding_window: int | None = None
+    # Gemma 3 (replicas/gemma3_config.py): each layer's window (None: full attention) and the sliding layers'
+    # rope, the attention's scale (else head_dim ** -0.5), the MLP's activation, the embeddings' scale and the
+    # logits' soft cap
+    layer_sliding_windows: tuple[int | None, ...] | None = None
+    local_rope: tuple[float, RopeScaling] | None = None
+    attn_scale: float | None = None
+    hidden_act: str = "silu"
+    embed_scale: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
@@ -90,9 +101,14 @@ class ModelConfig:
         if heads % values["num_key_value_heads"]:
             raise ModelConfigError(f"{where}: {heads} attention heads are not a multiple of "
                                    f"{values['num_key_value_heads']} key/value heads")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-        theta, scaling = parse_rope(raw, where)
+        if model_type == "gemma3":
+            extra = gemma3_fields(raw, hidden, values["num_hidden_layers"], where)
+            theta, scaling = extra.pop("rope")
+        else:
+            if raw.get("hidden_act", "silu") != "silu":
+                raise ModelConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+            theta, scaling = parse_rope(raw, where)
+            extra = {}
         rotary_dim = rotary_dim_of(raw, model_type, values["head_dim"], where)
         if scaling.rope_type == "longrope":
             check_longrope_factors(scaling, rotary_dim or values["head_dim"], where)
@@ -101,12 +117,22 @@ class ModelConfig:
                                                     int(scaling.original_max_position_embeddings * scaling.factor))
         gen = dict(generation_config or {})
         return cls(architecture=arch, model_type=model_type, **values, rope_theta=theta, rope_scaling=scaling,
-                   **_biases(raw, model_type), qk_norm=model_type == "qwen3", rotary_dim=rotary_dim,
+                   **_biases(raw, model_type), qk_norm=model_type in ("qwen3", "gemma3"), rotary_dim=rotary_dim,
                    sliding_window=_sliding_window(raw, model_type, where),
                    bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
                    eos_token_ids=_token_ids(gen.get("eos_token_id", raw.get("eos_token_id"))),
                    dtype=resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"), device),
-                   path=path, generation_config=gen)
+                   path=path, generation_config=gen, **extra)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to every key before it)."""
+        return self.layer_sliding_windows[layer] if self.layer_sliding_windows is not None else self.sliding_window
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling]:
+        """Layer `layer`'s rope theta and scaling (Gemma 3's sliding layers have their own)."""
+        if self.local_rope is not None and self.layer_window(layer) is not None:
+            return self.local_rope
+        return self.rope_theta, self.rope_scaling
 
     @property
     def long_rope_from(self) -> int | None:

@@ -99,3 +99,22 @@ class SiluAndMul(nn.Module):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """x [..., 2I] = [gate | up] -> gelu_tanh(gate) * up [..., I] (Gemma's MLP: transformers' gelu_pytorch_tanh).
+
+    The torch code on every device: no fused kernel yet, so a LoRA expand owed to x and a norm's row scale
+    are applied to x first (SiluAndMul's interface)."""
+
+    def forward(self, x: torch.Tensor, lora: PendingExpand | None = None,
+                row_scale: RowScale | None = None) -> torch.Tensor:
+        if lora is not None:
+            lora.apply()
+        if row_scale is not None:
+            row_scale.apply_(x)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -9,13 +9,14 @@ import torch
 from replicas.attention import AttentionBackend
 from replicas.loader import iterate_weights
 from replicas.model_config import ModelConfig
+from replicas.models.gemma3 import Gemma3ForCausalLM
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.phi3 import Phi3ForCausalLM
 from replicas.parallel import ParallelContext
 
 MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
                   "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
-                  "Phi3ForCausalLM": Phi3ForCausalLM}
+                  "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
@@ -48,4 +49,5 @@ def dummy_model(config: ModelConfig, ctx: ParallelContext, device: torch.device,
     return model.eval()
 
 
-__all__ = ["LlamaForCausalLM", "MODEL_REGISTRY", "Phi3ForCausalLM", "dummy_model", "load_model", "model_class"]
+__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "MODEL_REGISTRY", "Phi3ForCausalLM", "dummy_model", "load_model",
+           "model_class"]

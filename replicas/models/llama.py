@@ -16,7 +16,7 @@ from torch import nn
 
 from lora_core.punica.pending import PendingExpand
 from replicas.attention import Attention, AttentionBackend, AttentionMetadata
-from replicas.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+from replicas.layers import (GeluTanhAndMul, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                              RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, forward_pending)
 from replicas.layers.row_scale import RowScale, scales_with_input
 from replicas.loader import CheckpointError, default_weight_loader
@@ -30,7 +30,8 @@ LayerOutput = tuple[torch.Tensor, torch.Tensor, PendingExpand | None]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None,
+                 layer: int = 0) -> None:
         super().__init__()
         dtype, hd = config.dtype, config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads,
@@ -39,17 +40,18 @@ class LlamaAttention(nn.Module):
                                         config.o_proj_bias, ctx, dtype)
         self.q_size = self.qkv_proj.num_heads * hd
         self.kv_size = self.qkv_proj.num_kv_heads * hd
-        self.rotary_emb = RotaryEmbedding(hd, config.rope_theta, config.rope_scaling, config.rotary_dim)
-        if config.qk_norm:  # Qwen3: one weight for every head, so each rank holds all of it
+        theta, scaling = config.layer_rope(layer)  # Gemma 3's sliding layers have their own
+        self.rotary_emb = RotaryEmbedding(hd, theta, scaling, config.rotary_dim)
+        if config.qk_norm:  # Qwen3, Gemma 3: one weight for every head, so each rank holds all of it
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
         self.head_dim, self.qk_norm = hd, config.qk_norm
-        # longrope and yarn scale cos and sin by attention_factor: over whole heads q.k by its square (1 otherwise); a
-        # partly turned head's cos and sin carry it themselves (RotaryEmbedding.cos_sin_factor)
-        factor = 1.0 if self.rotary_emb.partial else config.rope_scaling.attention_factor
-        scale = hd ** -0.5 * factor ** 2
+        # longrope and yarn scale cos and sin by attention_factor: over whole heads q.k by its square (1
+        # otherwise); a partly turned head's cos and sin carry it themselves (RotaryEmbedding.cos_sin_factor)
+        factor = 1.0 if self.rotary_emb.partial else scaling.attention_factor
+        scale = (config.attn_scale or hd ** -0.5) * factor ** 2
         self.attn = Attention(self.qkv_proj.num_heads, hd, self.qkv_proj.num_kv_heads, scale,
-                              config.sliding_window, backend)
+                              config.layer_window(layer), backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -88,7 +90,7 @@ class LlamaMLP(nn.Module):
         inter, dtype = config.intermediate_size, config.dtype
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], config.mlp_bias, ctx, dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, ctx, dtype)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul() if config.hidden_act == "silu" else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, lora = self.forward_pending(x)
@@ -106,9 +108,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None,
+                 layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, ctx, backend)
+        self.self_attn = LlamaAttention(config, ctx, backend, layer)
         self.mlp = LlamaMLP(config, ctx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
@@ -150,19 +153,24 @@ def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, lora: PendingE
 
 
 class LlamaModel(nn.Module):
+    layer_class = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, config.dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ctx, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, ctx, backend, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden, residual, lora = self.embed_tokens(input_ids), None, None
+        hidden, residual, lora = self.embed(input_ids), None, None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual, lora = layer(positions, hidden, residual, kv_cache, meta, lora)
         hidden, _ = self.norm(hidden, residual, lora=lora)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward_piece(self, i: int, positions: torch.Tensor, input_ids: torch.Tensor | None,
                       attn: torch.Tensor | None, residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -172,7 +180,7 @@ class LlamaModel(nn.Module):
         attention output and returns layer i's (q, k, v, residual); the last returns (final hidden,).
         """
         if i == 0:
-            return self.layers[0].attention_inputs(positions, self.embed_tokens(input_ids), None)
+            return self.layers[0].attention_inputs(positions, self.embed(input_ids), None)
         hidden, residual, lora = self.layers[i - 1].attention_outputs(attn, residual)
         if i < len(self.layers):
             return self.layers[i].attention_inputs(positions, hidden, residual, lora)
@@ -182,6 +190,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H]; compute_logits -> [N, V]."""
 
+    decoder_class = LlamaModel
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     # (packed param name, checkpoint name, shard id)
     stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
@@ -194,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         ctx = ctx or ParallelContext()
         config.check_tp(ctx.tp_size)
         self.config, self.ctx = config, ctx
-        self.model = LlamaModel(config, ctx, attn_backend)
+        self.model = self.decoder_class(config, ctx, attn_backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, config.dtype)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

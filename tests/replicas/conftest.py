@@ -39,6 +39,12 @@ CHECKPOINTS = {
     # head_dim 16 is not hidden / heads (64 / 2 = 32), as in Qwen3-0.6B (128 against 1024 / 16)
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=1, vocab_size=128, num_attention_heads=2,
                                   tie_word_embeddings=True)),
+    # sliding layers (window 6, local theta) and full ones (global theta, linear scaling), qk norms, soft-capped
+    # logits, a query scalar apart from head_dim, tied embeddings scaled by sqrt(hidden)
+    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=2, vocab_size=128, sliding_window=6,
+                                        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12,
+                                        final_logit_softcapping=5.0, rope_local_base_freq=100.0,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0})),
     # fused qkv_proj / gate_up_proj tensors; a window of 8 that MIXED_STEPS' longer sequences cross; Phi3Config's
     # default pad id (32000) lies outside a tiny vocabulary
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, vocab_size=128, sliding_window=8, bos_token_id=1,
@@ -77,12 +83,12 @@ def write_checkpoint(path: Path, name: str, seed: int = 0, overrides: dict | Non
     return path
 
 
-def phi3_over_demo_tokenizer(demo, path: Path, **fields: Any) -> Path:
-    """The "phi3" checkpoint (its config changed by fields) over the demo tokenizer's vocabulary, with that
-    tokenizer, at path."""
+def over_demo_tokenizer(demo, path: Path, name: str = "phi3", **fields: Any) -> Path:
+    """The CHECKPOINTS[name] checkpoint (its config changed by fields) over the demo tokenizer's vocabulary,
+    with that tokenizer, at path."""
     demo_config = json.loads((demo.model_dir / "config.json").read_text())
     ids = {key: demo_config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
-    write_checkpoint(path, "phi3", overrides={**ids, **fields})
+    write_checkpoint(path, name, overrides={**ids, **fields})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo.model_dir / name, path / name)
     return path
@@ -137,6 +143,33 @@ def peft_greedy_reference(model_dir: Path, adapters: dict[str, Path], prompts: l
             ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
         results.append((tokens, logprobs))
     return results
+
+
+def generate_against_peft(model_dir: Path, adapters: dict[str, Path], prompts: list[str],
+                          names: list[str | None], steps: int, tp: int = 1, fully_sharded: bool = False) -> list:
+    """The engine's greedy outputs (LoRA at rank up to 8, two slots; TP over the GPUs where there are tp of
+    them, else gloo) for prompts under names (None: the base model), each asserted equal to transformers +
+    PEFT's tokens, logprobs within 2e-3 (2e-2 on a GPU, whose float32 dots run in TF32)."""
+    from lora_core.request import LoRARequest
+    from replicas.llm import LLM
+    from replicas.sampling_params import SamplingParams
+
+    requests = {name: LoRARequest(name, i + 1, str(adapters[name])) for i, name in enumerate(sorted(adapters))}
+    device = "cuda" if torch.cuda.device_count() >= tp else "cpu"
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32", device=device,
+              tensor_parallel_size=tp, fully_sharded_loras=fully_sharded)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=steps, logprobs=1, ignore_eos=True)
+        outputs = llm.generate(prompts, params, [requests[n] if n else None for n in names])
+    finally:
+        llm.shutdown()
+    want = peft_greedy_reference(model_dir, adapters, prompts, names, steps)
+    for out, (tokens, logprobs), name in zip(outputs, want, names):
+        got = out.outputs[0]
+        assert out.error is None and got.token_ids == tokens, f"{name}: {got.token_ids} != {tokens}"
+        error = max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs))
+        assert error < (2e-2 if device == "cuda" else 2e-3), name
+    return outputs
 
 
 @pytest.fixture(scope="session")

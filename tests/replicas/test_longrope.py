@@ -19,7 +19,7 @@ from replicas.llm import LLM
 from replicas.model_config import ModelConfig
 from replicas.rope_config import LONG_ROPE
 from replicas.sampling_params import SamplingParams
-from tests.replicas.conftest import peft_greedy_reference, phi3_over_demo_tokenizer, write_peft_adapter
+from tests.replicas.conftest import peft_greedy_reference, over_demo_tokenizer, write_peft_adapter
 
 ORIGINAL = 32  # the tiny checkpoints' original context, of 128
 SHORT = [1.0, 1.5, 2.0, 1.2, 1.1, 3.0, 1.0, 2.5]
@@ -66,7 +66,7 @@ def test_a_position_takes_the_long_factors_past_the_original_context_or_encoded(
 def longrope_dir(demo, tmp_path_factory):
     """Phi-3.5's recipe, tiny: longrope with uneven factors, an original context of 32 of 128 (so an attention
     factor of sqrt(1 + ln 4 / ln 32)), over the demo tokenizer."""
-    return phi3_over_demo_tokenizer(
+    return over_demo_tokenizer(
         demo, tmp_path_factory.mktemp("longrope"), max_position_embeddings=128,
         original_max_position_embeddings=ORIGINAL, sliding_window=None,
         rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG})
@@ -78,7 +78,7 @@ def phi4_mini_like_dir(demo, tmp_path_factory):
     rotary path), longrope with a factor per turned frequency. (Its embeddings are not tied, as Phi-4-mini's
     are: tied, this tiny model gives its top token a probability of ~1 whatever the rotary does, and the
     comparison would show nothing.)"""
-    return phi3_over_demo_tokenizer(
+    return over_demo_tokenizer(
         demo, tmp_path_factory.mktemp("phi4-mini"), max_position_embeddings=128,
         original_max_position_embeddings=ORIGINAL, sliding_window=None, partial_rotary_factor=0.5,
         rope_scaling={"type": "longrope", "short_factor": SHORT[:4], "long_factor": LONG[:4]})

@@ -19,8 +19,8 @@ from replicas.model_config import ModelConfig, ModelConfigError
 from replicas.models import Phi3ForCausalLM, load_model
 from replicas.parallel import ParallelContext
 from replicas.sampling_params import SamplingParams
-from tests.replicas.conftest import (build_model, peft_greedy_reference, phi3_over_demo_tokenizer, run_steps,
-                                     write_peft_adapter)
+from tests.replicas.conftest import (build_model, generate_against_peft, over_demo_tokenizer, peft_greedy_reference,
+                                     run_steps, write_peft_adapter)
 
 STEPS = 8
 WINDOW = 8  # CHECKPOINTS["phi3"]'s sliding_window
@@ -30,7 +30,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a city far away, there li
 @pytest.fixture(scope="module")
 def phi3_dir(demo, tmp_path_factory):
     """The "phi3" checkpoint over the demo tokenizer's vocabulary, with that tokenizer."""
-    return phi3_over_demo_tokenizer(demo, tmp_path_factory.mktemp("phi3"))
+    return over_demo_tokenizer(demo, tmp_path_factory.mktemp("phi3"))
 
 
 @pytest.fixture(scope="module")
@@ -171,25 +171,8 @@ def phi3_adapters(phi3_dir, tmp_path_factory):
 def test_fused_module_adapters_match_hf_peft(phi3_dir, phi3_adapters, tp, fully_sharded):
     """Adapters on qkv_proj and gate_up_proj, cut into q/k/v and gate/up slices by the loader, give
     transformers + PEFT's greedy tokens and logprobs, mixed with the base model in one batch."""
-    from lora_core.request import LoRARequest
-
     names = [None, "fused-r4", "fused-r8", "fused-r4", None, "fused-r8"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
-    requests = {name: LoRARequest(name, i + 1, str(phi3_adapters[name]))
-                for i, name in enumerate(sorted(phi3_adapters))}
-    device = "cuda" if torch.cuda.device_count() >= tp else "cpu"
-    llm = LLM(str(phi3_dir), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32", device=device,
-              tensor_parallel_size=tp, fully_sharded_loras=fully_sharded)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=1, ignore_eos=True)
-        outputs = llm.generate(prompts, params, [requests[n] if n else None for n in names])
-    finally:
-        llm.shutdown()
-    want = peft_greedy_reference(phi3_dir, phi3_adapters, prompts, names, STEPS)
-    for out, (tokens, logprobs), name in zip(outputs, want, names):
-        got = out.outputs[0]
-        assert out.error is None and got.token_ids == tokens, f"{name}: {got.token_ids} != {tokens}"
-        error = max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs))
-        assert error < (2e-2 if device == "cuda" else 2e-3), name
+    outputs = generate_against_peft(phi3_dir, phi3_adapters, prompts, names, STEPS, tp, fully_sharded)
     # the adapters move the output: requests 0 and 3 share a prompt (base, fused-r4), as do 2 and 5 (r8, r8)
     assert outputs[0].outputs[0].token_ids != outputs[3].outputs[0].token_ids

@@ -1,0 +1,89 @@
+"""Gemma 3 (Gemma3ForCausalLM): its config fields, and the engine against transformers (+ PEFT).
+
+The model's logits are compared with transformers in test_model_vs_hf.py (the "gemma3" checkpoint: a sliding
+layer of window 6 over local rope, a full layer over linearly scaled global rope, soft-capped logits); here the
+config's two layouts and its refusals, then the engine generating greedily from text, base and LoRA adapters
+(on every projection, and one on embed_tokens, which the embedding scale multiplies too) mixed in one batch,
+at TP = 1 and 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from replicas.model_config import ModelConfig, ModelConfigError
+from tests.replicas.conftest import generate_against_peft, over_demo_tokenizer, write_peft_adapter
+
+STEPS = 8
+PROMPTS = ["The quick brown fox", "Once upon a time in a city far away, there lived", "SELECT"]
+# google/gemma-3-1b-it's config.json (transformers v4 layout), smaller
+GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=64, hidden_size=32,
+                 intermediate_size=64, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=1,
+                 head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, rms_norm_eps=1e-6,
+                 rope_theta=1000000, rope_local_base_freq=10000, rope_scaling=None, sliding_window=512,
+                 sliding_window_pattern=6, final_logit_softcapping=None, attn_logit_softcapping=None,
+                 max_position_embeddings=32768, bos_token_id=2, eos_token_id=[1, 106])
+
+
+def test_parses_the_v4_layout_of_gemma_3_1b():
+    cfg = ModelConfig.from_dict(GEMMA3_1B)
+    assert cfg.layer_sliding_windows == (512,) * 5 + (None, 512)  # every sixth layer attends to everything
+    assert [cfg.layer_rope(i)[0] for i in (0, 5)] == [10000.0, 1000000.0]
+    assert (cfg.attn_scale, cfg.embed_scale, cfg.hidden_act) == (0.25, math.sqrt(32), "gelu_pytorch_tanh")
+    assert (cfg.qk_norm, cfg.final_logit_softcapping, cfg.eos_token_ids) == (True, None, (1, 106))
+    scaled = ModelConfig.from_dict({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert scaled.layer_rope(5)[1].factor == 8.0 and scaled.layer_rope(0)[1].rope_type == "default"
+
+
+def test_parses_the_v5_layout():
+    v5 = {**GEMMA3_1B, "rope_theta": None, "rope_local_base_freq": None, "layer_types": ["full_attention"] * 7,
+          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}
+    cfg = ModelConfig.from_dict(v5)
+    assert cfg.layer_sliding_windows == (None,) * 7
+    assert (cfg.layer_rope(0)[0], cfg.layer_rope(0)[1].factor, cfg.local_rope[0]) == (5e5, 4.0, 50.0)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+    ({"layer_types": ["sliding_attention"] * 3}, "each of the 7 layers"),
+    ({"layer_types": ["chunked_attention"] * 7}, "each of the 7 layers"),
+], ids=["attn-softcap", "bidirectional", "exact-gelu", "short-layer-types", "unknown-layer-type"])
+def test_refused_gemma3_configs_name_the_field(change, match):
+    with pytest.raises(ModelConfigError, match=match):
+        ModelConfig.from_dict({**GEMMA3_1B, **change})
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(demo, tmp_path_factory):
+    return over_demo_tokenizer(demo, tmp_path_factory.mktemp("gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="module")
+def gemma3_adapters(gemma3_dir, tmp_path_factory):
+    """Two PEFT adapters: every projection at rank 8; attention and embed_tokens at rank 4."""
+    root = tmp_path_factory.mktemp("gemma3-adapters")
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    configs = {"all-r8": dict(r=8, lora_alpha=16, target_modules=every),
+               "embed-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "embed_tokens"])}
+    return {name: write_peft_adapter(gemma3_dir, root / name, 40 + i, **config)
+            for i, (name, config) in enumerate(configs.items())}
+
+
+@pytest.mark.parametrize("tp,fully_sharded", [(1, False), (2, True)])
+def test_generation_with_adapters_matches_hf_peft(gemma3_dir, gemma3_adapters, tp, fully_sharded):
+    names = [None, "all-r8", "embed-r4", "all-r8", None, "embed-r4"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    outputs = generate_against_peft(gemma3_dir, gemma3_adapters, prompts, names, STEPS, tp, fully_sharded)
+    # the sliding layer's window (6) is crossed in a prefill
+    assert max(len(out.prompt_token_ids) for out in outputs) > 6
+    # the adapters move the output (this tiny tied model repeats a prompt's last token, so its logprobs):
+    # requests 0 and 3 share a prompt (base, all-r8), as do 1 and 4 (all-r8, base) and 2 and 5 (embed-r4 twice)
+    for base, adapted in ((0, 3), (4, 1)):
+        a, b = outputs[base].outputs[0], outputs[adapted].outputs[0]
+        assert a.token_ids != b.token_ids or max(abs(x[t] - y[t]) for x, y, t in zip(a.logprobs, b.logprobs,
+                                                                                  a.token_ids)) > 1e-2
