@@ -59,6 +59,12 @@ PHI4_MINI = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_si
                  tie_word_embeddings=True, rope_theta=10000.0,
                  rope_scaling=dict(type="longrope", short_factor=[1.0 + i / 48 for i in range(48)],
                                    long_factor=[1.0 + i for i in range(48)]))
+# Gemma 3 1B: head_dim 256, one kv head, five sliding layers (window 512) to every full one, 262 K vocabulary
+GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=1152, num_hidden_layers=26,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=256, intermediate_size=6912,
+                 vocab_size=262144, max_position_embeddings=32768, hidden_activation="gelu_pytorch_tanh",
+                 query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0,
+                 rope_local_base_freq=10000.0, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -70,7 +76,8 @@ _PEFT = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path="r
 
 
 def head_dim(shape: dict) -> int:
-    return shape["hidden_size"] // shape["num_attention_heads"]
+    """A shape's head_dim, where it gives one apart from hidden_size / num_attention_heads (Gemma 3)."""
+    return shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
 
 
 def proj_dims(shape: dict) -> dict[str, tuple[int, int]]:
