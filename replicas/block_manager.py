@@ -8,8 +8,9 @@ it); a later sequence with the same adapter and prefix shares those blocks
 (ref counted). The adapter is part of the key because the same tokens under a
 different adapter have different keys and values; so is, for a longrope model,
 whether the prompt is longer than the original context (long_rope_from): such
-a prompt's positions turn with other frequencies (replicas/layers/rotary.py). A block whose last user
-left stays cached until its slot is needed: such blocks are evicted LRU.
+a prompt's positions turn with other frequencies (replicas/layers/rotary.py).
+A block whose last user left stays cached until its slot is needed: such
+blocks are evicted LRU.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ from replicas.model_config import ModelConfigError
 from replicas.rope_config import LONG_ROPE, NEVER_LONG, RopeScaling
 
 
-
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """[head_dim/2] float32 inverse frequencies, scaled per ``scaling``; longrope: [2, head_dim/2], the short
     factors' row, then the long factors'."""
