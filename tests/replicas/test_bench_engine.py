@@ -177,15 +177,18 @@ def test_random_sampling_rows_generate_every_requested_token(tmp_path):
 
 
 @pytest.mark.parametrize("model,want", [("qwen3-8b", ("qwen3", True, 36, 128, 12288, None)),
-                                        ("phi3-mini", ("phi3", False, 32, 96, 8192, 2047))])
+                                        ("phi3-mini", ("phi3", False, 32, 96, 8192, 2047)),
+                                        ("phi4-mini", ("phi3", False, 32, 128, 8192, None)),
+                                        ("gemma3-1b", ("gemma3", True, 26, 256, 6912, None))])
 def test_a_model_shape_writes_a_model_dir_of_its_architecture(tmp_path, model, want):
-    """bench/engine.py --model qwen3-8b / phi3-mini: the model directory parses as that architecture (Qwen3's head
-    norms on, Phi-3's window) at that shape."""
+    """bench/engine.py --model ...: the model directory parses as that architecture (Qwen3's and Gemma 3's head
+    norms on, Phi-3's window) at that shape; the benchmark's byte counts read the same head_dim."""
     from bench.engine import MODELS
-    from bench.engine_workload import write_model_dir
+    from bench.engine_workload import head_dim, write_model_dir
     from replicas.model_config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(write_model_dir(tmp_path / model, dict(MODELS[model], vocab_size=64)),
                                       device="cpu")
     assert (cfg.model_type, cfg.qk_norm, cfg.num_hidden_layers, cfg.head_dim, cfg.intermediate_size,
             cfg.sliding_window) == want
+    assert head_dim(MODELS[model]) == cfg.head_dim
