@@ -119,8 +119,19 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # a tool's result: the call it answers
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _text_parts(self) -> "ChatMessage":
+        """Content parts other than text (image_url, input_audio, file, ...) are refused, not dropped: the
+        model reads text only, and an answer that silently ignored the image would be wrong."""
+        for i, part in enumerate(self.content if isinstance(self.content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "refusal"):
+                raise ValueError(f"content[{i}]: a {kind!r} content part is not supported: this model reads "
+                                 f"text only")
+        return self
+
     def text(self) -> str:
-        if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
+        if isinstance(self.content, list):  # OpenAI content parts: the text ones (an assistant's refusal aside)
             return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
         return self.content or ""
 

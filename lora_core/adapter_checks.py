@@ -27,6 +27,7 @@ from lora_core.errors import (
 )
 from lora_core.load_parts import is_other_part
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec
+from lora_core.multimodal_names import image_only, text_model_name
 from lora_core.peft_helper import PEFTHelper, raise_problems
 
 _PEFT_PREFIX = "base_model.model."
@@ -53,7 +54,7 @@ def parse_key(key: str) -> tuple[str, str, str, str | None] | None:
     PEFT drops the adapter name when saving but keeps it in a live state_dict,
     so both spellings are accepted. None means the key is not a LoRA A/B tensor.
     """
-    parts = key.removeprefix(_PEFT_PREFIX).split(".")
+    parts = text_model_name(key.removeprefix(_PEFT_PREFIX)).split(".")
     i = next((i for i, p in enumerate(parts) if p in _LORA_PARTS), None)
     if not i:  # no LoRA segment, or no module name before it
         return None
@@ -76,6 +77,8 @@ def group_by_module(tensors: Mapping[str, torch.Tensor], path: str
     adapter_names: set[str | None] = set()
     base_copies: list[str] = []
     for key, t in tensors.items():
+        if image_only(key.removeprefix(_PEFT_PREFIX)):
+            continue
         parsed = parse_key(key)
         if parsed is None and key.endswith(_BASE_COPY):
             base_copies.append(key)
@@ -102,7 +105,7 @@ def group_by_module(tensors: Mapping[str, torch.Tensor], path: str
         # PEFT saves the base embedding / lm_head next to their LoRA (save_embedding_layers) in case the
         # vocabulary was resized; like vLLM we serve the model's own weights, and a resized vocabulary
         # shows up as a LoRA A/B that does not fit the module.
-        if key.removeprefix(_PEFT_PREFIX).removesuffix(_BASE_COPY) not in modules:
+        if text_model_name(key.removeprefix(_PEFT_PREFIX).removesuffix(_BASE_COPY)) not in modules:
             problems.append(UnsupportedAdapterError(
                 path, key, "a full base-layer weight without a LoRA on that layer is not supported"))
     if len(adapter_names) > 1:

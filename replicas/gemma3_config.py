@@ -18,7 +18,24 @@ from replicas.errors import ModelConfigError
 from replicas.rope_config import RopeScaling, parse_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# Gemma3TextConfig's defaults: the multimodal checkpoints' config.json (Gemma 3 4B-27B) writes only the fields of
+# its text_config that differ from them
+TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                     max_position_embeddings=131_072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                     attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096, bos_token_id=2,
+                     eos_token_id=1)
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' defaults
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config.json as its text model's: text_config over TEXT_DEFAULTS, with
+    the architecture and the checkpoint's dtype. Its vision tower is not served (text prompts only)."""
+    text = {**TEXT_DEFAULTS, **(raw.get("text_config") or {})}
+    for key in ("architectures", "dtype", "torch_dtype"):
+        if raw.get(key) is not None:
+            text[key] = raw[key]
+    return text
 
 
 def gemma3_fields(raw: dict[str, Any], hidden_size: int, num_layers: int, where: str) -> dict[str, Any]:

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from replicas.errors import ModelConfigError
-from replicas.gemma3_config import gemma3_fields
+from replicas.gemma3_config import gemma3_fields, text_config
 from replicas.rope_config import RopeScaling, check_longrope_factors, parse_rope, rotary_dim_of
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
-                           "Gemma3ForCausalLM": "gemma3"}
+                           "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -84,6 +84,8 @@ class ModelConfig:
         where = path or "config"
         arch = _architecture(raw, where)
         model_type = SUPPORTED_ARCHITECTURES[arch]
+        if arch == "Gemma3ForConditionalGeneration":  # served as its text model
+            raw = text_config(raw)
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             values = dict(vocab_size=int(raw["vocab_size"]), hidden_size=hidden,

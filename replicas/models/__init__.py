@@ -9,14 +9,15 @@ import torch
 from replicas.attention import AttentionBackend
 from replicas.loader import iterate_weights
 from replicas.model_config import ModelConfig
-from replicas.models.gemma3 import Gemma3ForCausalLM
+from replicas.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.phi3 import Phi3ForCausalLM
 from replicas.parallel import ParallelContext
 
 MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
                   "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
-                  "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM}
+                  "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM,
+                  "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from lora_core.multimodal_names import image_only, text_model_name
 from replicas.layers import RMSNorm, forward_pending
 from replicas.models.llama import LayerOutput, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -62,6 +63,21 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(_one_plus_norms(weights))
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 4B-27B's multimodal checkpoints served as their text model: the language model's tensors
+    (under language_model.model., or model.language_model. as transformers v5 writes them) load as
+    Gemma3ForCausalLM's; the vision tower and projector are not read (text prompts only)."""
+
+    def load_weights(self, weights: Weights) -> set[str]:
+        return super().load_weights(_text_model(weights))
+
+
+def _text_model(weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if not image_only(name):
+            yield text_model_name(name), tensor
 
 
 def _one_plus_norms(weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:

@@ -113,6 +113,10 @@ def test_errors_map_to_status_codes(stack):
         assert r.status_code == 400
         r = await c._client.post("http://127.0.0.1/v1/completions", json={"model": "lorafleet-demo"})
         assert r.status_code == 400 and "prompt" in r.text
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        with pytest.raises(openai.BadRequestError, match="'image_url' content part is not supported"):
+            await c.chat.completions.create(model="lorafleet-demo", max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
         # and the server still serves
         ok = await c.completions.create(model="lorafleet-demo", prompt="hi", max_tokens=2)
         return ok

@@ -62,7 +62,7 @@ MIXED_STEPS = [[("a", 5), ("b", 7)],
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -78,7 +78,7 @@ def write_checkpoint(path: Path, name: str, seed: int = 0, overrides: dict | Non
     config = getattr(transformers, config_cls)(**{**TINY, **fields, **(overrides or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
+    randomize(model, seed)
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)
     return path
 

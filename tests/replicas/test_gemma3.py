@@ -87,3 +87,60 @@ def test_generation_with_adapters_matches_hf_peft(gemma3_dir, gemma3_adapters, t
         a, b = outputs[base].outputs[0], outputs[adapted].outputs[0]
         assert a.token_ids != b.token_ids or max(abs(x[t] - y[t]) for x, y, t in zip(a.logprobs, b.logprobs,
                                                                                   a.token_ids)) > 1e-2
+
+
+def test_a_multimodal_config_is_served_as_its_text_model():
+    """Gemma 3 4B's config.json writes only its text_config's changes from Gemma3TextConfig's defaults."""
+    cfg = ModelConfig.from_dict({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                                 "torch_dtype": "bfloat16", "vision_config": {"hidden_size": 1152},
+                                 "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                                                 "num_hidden_layers": 34, "sliding_window": 1024,
+                                                 "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}})
+    assert (cfg.architecture, cfg.model_type, cfg.vocab_size, cfg.num_attention_heads, cfg.head_dim) == \
+        ("Gemma3ForConditionalGeneration", "gemma3", 262_208, 8, 256)
+    assert cfg.layer_sliding_windows[:6] == (1024,) * 5 + (None,) and cfg.max_position_embeddings == 131_072
+    assert cfg.layer_rope(5)[1].factor == 8.0 and cfg.tie_word_embeddings
+
+
+@pytest.fixture(scope="module")
+def gemma3_multimodal_dir(demo, tmp_path_factory):
+    """A tiny Gemma3ForConditionalGeneration (a Siglip vision tower beside the "gemma3" text model) saved by
+    transformers, over the demo tokenizer."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+
+    from tests.replicas.conftest import CHECKPOINTS, TINY, randomize
+
+    path = tmp_path_factory.mktemp("gemma3-mm")
+    demo_config = json.loads((demo.model_dir / "config.json").read_text())
+    vocab = demo_config["vocab_size"]
+    # without the logits' soft cap, as Gemma 3's own configs: transformers' multimodal class does not apply one
+    text = {**TINY, **CHECKPOINTS["gemma3"][1], "vocab_size": vocab, "final_logit_softcapping": None}
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=vocab - 1, boi_token_index=vocab - 3, eoi_token_index=vocab - 2)
+    torch.manual_seed(5)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    randomize(model, 5)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo.model_dir / name, path / name)
+    return path
+
+
+def test_a_multimodal_checkpoint_and_its_adapter_match_hf_peft(gemma3_multimodal_dir, tmp_path):
+    """The text model of a Gemma3ForConditionalGeneration checkpoint, base and with an adapter whose
+    target_modules matched the vision tower's q_proj / v_proj too (those LoRAs are left out: they act on
+    images only), against transformers + PEFT's multimodal model on text prompts."""
+    adapters = {"mm": write_peft_adapter(gemma3_multimodal_dir, tmp_path / "mm", 50, r=8, lora_alpha=16,
+                                         target_modules=["q_proj", "v_proj", "down_proj"])}
+    from safetensors import safe_open
+
+    with safe_open(adapters["mm"] / "adapter_model.safetensors", "pt") as f:
+        assert any("vision_tower" in key for key in f.keys())  # PEFT put LoRAs on the vision tower too
+    names = [None, "mm", "mm"]
+    generate_against_peft(gemma3_multimodal_dir, adapters, PROMPTS, names, STEPS)

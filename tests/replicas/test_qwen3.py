@@ -16,7 +16,7 @@ import torch
 from lora_core.request import LoRARequest
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
-from tests.replicas.conftest import TINY, _randomize, peft_greedy_reference, write_peft_adapter
+from tests.replicas.conftest import TINY, peft_greedy_reference, randomize, write_peft_adapter
 
 STEPS = 8
 PROMPTS = ["The quick brown fox", "SELECT", "Once upon a time in a city far away,"]
@@ -36,7 +36,7 @@ def qwen3(demo, tmp_path_factory):
                             "bos_token_id": demo_config["bos_token_id"], "eos_token_id": demo_config["eos_token_id"]})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed=3)
+    randomize(model, seed=3)
     model.save_pretrained(model_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo.model_dir / name, model_dir / name)
