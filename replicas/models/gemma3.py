@@ -16,14 +16,18 @@ from typing import Iterable, Iterator
 import torch
 
 from lora_core.multimodal_names import image_only, text_model_name
+from replicas.attention import AttentionBackend
 from replicas.layers import RMSNorm, forward_pending
+from replicas.model_config import ModelConfig
 from replicas.models.llama import LayerOutput, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from replicas.parallel import ParallelContext
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config, ctx, backend, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None,
+                 layer: int = 0) -> None:
         super().__init__(config, ctx, backend, layer)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
@@ -41,14 +45,13 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
 class Gemma3Model(LlamaModel):
     layer_class = Gemma3DecoderLayer
 
-    def __init__(self, config, ctx, backend) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, backend: AttentionBackend | None) -> None:
         super().__init__(config, ctx, backend)
-        self.embed_scale = config.embed_scale
+        # transformers rounds the scale to the weights' dtype first (sqrt(1152) is 34.0 in bfloat16)
+        self.embed_scale = float(torch.tensor(config.embed_scale, dtype=config.dtype))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        # transformers rounds the scale to the weights' dtype first (sqrt(1152) is 34.0 in bfloat16)
-        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return self.embed_tokens(input_ids) * self.embed_scale
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
