@@ -112,13 +112,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                        scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over the paged cache (already holding this step's K/V) -> [T, H, D].
 
     Query j of sequence i sits at position p = seq_lens[i] - query_lens[i] + j
     and attends to keys at positions k <= p (and k > p - sliding_window when
-    set). GQA: query head h reads kv head h // (H / H_kv). Scores and softmax
-    in float32; one loop iteration per sequence (a reference, not a kernel).
+    set). GQA: query head h reads kv head h // (H / H_kv). softcap: scores
+    become softcap * tanh(score / softcap) before the mask (Gemma 2). Scores and
+    softmax in float32; one loop iteration per sequence (a reference, not a kernel).
     """
     out = torch.empty_like(q)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -132,6 +133,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v_cache[blocks].flatten(0, 1)[:s_len].float().repeat_interleave(group, dim=1)
         qi = q[start : start + q_len].float()
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(s_len, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos
@@ -145,10 +148,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """The CPU backend: write this step's k, v [T, H_kv, D] into the cache, then attend; q [T, H, D] -> [T, H, D]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
 
 AttentionBackend = Callable[..., torch.Tensor]  # signature of reference_attention
@@ -161,12 +164,15 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None, backend: AttentionBackend | None = None) -> None:
+                 sliding_window: int | None = None, backend: AttentionBackend | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} kv heads")
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale, self.sliding_window = scale, sliding_window
+        # passed only where set: a backend that takes no soft cap serves every model without one
+        self.extra = {"softcap": softcap} if softcap is not None else {}
         self.backend = backend or reference_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -175,5 +181,5 @@ class Attention(nn.Module):
         out = self.backend(q.reshape(t, self.num_heads, self.head_dim),
                            k.reshape(t, self.num_kv_heads, self.head_dim),
                            v.reshape(t, self.num_kv_heads, self.head_dim),
-                           kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+                           kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, **self.extra)
         return out.reshape(t, self.num_heads * self.head_dim)

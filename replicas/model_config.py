@@ -1,6 +1,6 @@
 """ModelConfig: what the engine needs from an HF-format model directory.
 
-Reads config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 architectures) and, when present,
+Reads config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3 architectures) and, when present,
 generation_config.json; the rope fields in replicas/rope_config.py.
 """
 
@@ -14,12 +14,13 @@ from typing import Any
 import torch
 
 from replicas.errors import ModelConfigError
-from replicas.gemma3_config import gemma3_fields, text_config
+from replicas.gemma_config import gemma_fields, text_config
 from replicas.rope_config import RopeScaling, check_longrope_factors, parse_rope, rotary_dim_of
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
-                           "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
+                           "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                           "Gemma3ForConditionalGeneration": "gemma3"}
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -48,12 +49,13 @@ class ModelConfig:
     # turns 96 of 128); the rest pass through. None: the whole head.
     rotary_dim: int | None = None
     sliding_window: int | None = None
-    # Gemma 3 (replicas/gemma3_config.py): each layer's window (None: full attention) and the sliding layers'
+    # Gemma 3 (replicas/gemma_config.py): each layer's window (None: full attention) and the sliding layers'
     # rope, the attention's scale (else head_dim ** -0.5), the MLP's activation, the embeddings' scale and the
     # logits' soft cap
     layer_sliding_windows: tuple[int | None, ...] | None = None
     local_rope: tuple[float, RopeScaling] | None = None
     attn_scale: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(score / cap)
     hidden_act: str = "silu"
     embed_scale: float | None = None
     final_logit_softcapping: float | None = None
@@ -103,8 +105,8 @@ class ModelConfig:
         if heads % values["num_key_value_heads"]:
             raise ModelConfigError(f"{where}: {heads} attention heads are not a multiple of "
                                    f"{values['num_key_value_heads']} key/value heads")
-        if model_type == "gemma3":
-            extra = gemma3_fields(raw, hidden, values["num_hidden_layers"], where)
+        if model_type in ("gemma2", "gemma3"):
+            extra = gemma_fields(raw, model_type, hidden, values["num_hidden_layers"], where)
             theta, scaling = extra.pop("rope")
         else:
             if raw.get("hidden_act", "silu") != "silu":

@@ -6,6 +6,8 @@ written to the cache):
 
     out[t, h] = softmax(q[t, h] . K[s, :p_t + 1, kvh]^T * scale) @ V[s, :p_t + 1, kvh]
 
+(scores soft-capped first where softcap is set: softcap * tanh(score / softcap), as Gemma 2 does).
+
 where p_t = context_len + (t - query_start_loc[s]) is the token's position and
 kvh = h // (num_heads / num_kv_heads) (GQA). K/V of sequence s live in the
 blocks block_tables[s, :]; k_cache / v_cache are [num_blocks, block_size,
@@ -30,12 +32,15 @@ from replicas.kernels import fused
 
 
 @triton.jit
-def _attend(q, k, v, allowed, m_i, l_i, acc, scale, IEEE: tl.constexpr):
-    """One online-softmax step of flash attention over a tile of keys: the new (max, sum, accumulator)."""
+def _attend(q, k, v, allowed, m_i, l_i, acc, scale, softcap, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One online-softmax step of flash attention over a tile of keys: the new (max, sum, accumulator).
+    SOFTCAP: scores become softcap * tanh(score / softcap) first (Gemma 2)."""
     if IEEE:  # float32 caches get float32 products (Triton's default for them is TF32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    if SOFTCAP:  # tanh(x) = 2 / (1 + e^-2x) - 1: exp saturates to the right limits at both ends
+        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row may see only masked keys so far (sliding window): keep its sums at 0, not NaN.
@@ -54,13 +59,14 @@ def _attend(q, k, v, allowed, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_ptr, seq_lens_ptr, block_tables_ptr,
-    scale,
+    scale, softcap,
     sq_t, sq_h,
     sk_b, sk_s, sk_h,
     so_t, so_h,
     sbt_s,
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -98,7 +104,7 @@ def _paged_attention_kernel(
         allowed = (pos_k[None, :] <= pos_q[:, None]) & k_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (pos_k[None, :] > pos_q[:, None] - WINDOW)
-        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, IEEE)
+        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, softcap, IEEE, SOFTCAP)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_q)[:, None].to(tl.int64) * so_t + head * so_h + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
@@ -108,13 +114,14 @@ def _paged_attention_kernel(
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     seq_lens_ptr, block_tables_ptr,
-    scale,
+    scale, softcap,
     sq_t, sq_h,
     sk_b, sk_s, sk_h,
     so_t, so_h,
     sbt_s,
     QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """A pure decode step (token i = sequence i): one program per (sequence, kv head).
 
@@ -150,7 +157,7 @@ def _paged_decode_kernel(
         allowed = k_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (pos_k[None, :] > pos_q - WINDOW)
-        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, IEEE)
+        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, softcap, IEEE, SOFTCAP)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + seq.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -158,7 +165,8 @@ def _paged_decode_kernel(
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_query_len: int,
-                    out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q [T, num_heads, head_dim] -> out [T, num_heads, head_dim]; see the module docstring.
 
     query_start_loc [S + 1] and seq_lens [S] are int32 on the device;
@@ -176,14 +184,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if max_query_len == 1 and num_tokens == num_seqs:  # pure decode: the GQA-grouped kernel
         group = num_heads // num_kv_heads
         _paged_decode_kernel[(num_seqs, num_kv_heads)](
-            q, k_cache, v_cache, out, seq_lens, block_tables, float(scale),
+            q, k_cache, v_cache, out, seq_lens, block_tables, float(scale), float(softcap or 1.0),
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             out.stride(0), out.stride(1),
             block_tables.stride(0),
             QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
             BLOCK_N=max(64, block_size), HEAD_DIM=head_dim, BLOCK_D=block_d, WINDOW=sliding_window or 0,
-            IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+            IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, num_warps=4, num_stages=2,
         )
         return out
     block_q = 16 if max_query_len <= 16 else 32 if max_query_len <= 64 else 64
@@ -191,21 +199,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_tables,
-        float(scale),
+        float(scale), float(softcap or 1.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_Q=block_q, WINDOW=sliding_window or 0,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None,
         num_warps=4, num_stages=2,
     )
     return out
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                     v_cache: torch.Tensor, meta, scale: float, sliding_window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """The GPU attention backend (same signature as replicas.attention.reference_attention).
 
     Writes this step's k, v [T, H_kv, D] into the cache (one fused launch when
@@ -218,4 +227,4 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-                           meta.max_query_len, sliding_window=sliding_window)
+                           meta.max_query_len, sliding_window=sliding_window, softcap=softcap)

@@ -9,14 +9,15 @@ import torch
 from replicas.attention import AttentionBackend
 from replicas.loader import iterate_weights
 from replicas.model_config import ModelConfig
-from replicas.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from replicas.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.phi3 import Phi3ForCausalLM
 from replicas.parallel import ParallelContext
 
 MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
                   "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
-                  "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM,
+                  "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma2ForCausalLM": Gemma2ForCausalLM,
+                  "Gemma3ForCausalLM": Gemma3ForCausalLM,
                   "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration}
 
 
@@ -50,5 +51,5 @@ def dummy_model(config: ModelConfig, ctx: ParallelContext, device: torch.device,
     return model.eval()
 
 
-__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "MODEL_REGISTRY", "Phi3ForCausalLM", "dummy_model", "load_model",
-           "model_class"]
+__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "LlamaForCausalLM",
+           "MODEL_REGISTRY", "Phi3ForCausalLM", "dummy_model", "load_model", "model_class"]

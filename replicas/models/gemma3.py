@@ -1,12 +1,15 @@
-"""Gemma 3 (Gemma3ForCausalLM): the Llama computation with Gemma's differences.
+"""Gemma 3 (Gemma3ForCausalLM) and Gemma 2 (Gemma2ForCausalLM): the Llama computation with Gemma's
+differences.
 
 Each layer norms its attention output and its MLP output before adding them to the residual (four norms a
 layer: input, post-attention, pre- and post-feedforward), q and k get a per-head norm as in Qwen3, the MLP
 is gelu_tanh(gate) * up, embeddings are scaled by sqrt(hidden_size) (a LoRA on embed_tokens with them, as PEFT
 scales it), and attention alternates between sliding-window layers over local rope and full layers over
-global rope (ModelConfig.layer_window / layer_rope, replicas/gemma3_config.py). Gemma's RMSNorm multiplies by
-1 + weight: the loader adds the 1, so the norms here are Llama's (transformers multiplies in float32 before
-rounding to the activation dtype, we round first: equal in float32, an ulp apart at most in bfloat16).
+global rope (ModelConfig.layer_window / layer_rope, replicas/gemma_config.py). Gemma 2 is the same without
+the q/k norms and the local rope, with its attention scores and logits soft-capped (ModelConfig's fields).
+Gemma's RMSNorm multiplies by 1 + weight: the loader adds the 1, so the norms here are Llama's
+(transformers multiplies in float32 before rounding to the activation dtype, we round first: equal in
+float32, an ulp apart at most in bfloat16).
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(_one_plus_norms(weights))
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2 (2B, 9B, 27B): Gemma 3's computation as its config sets it (no q/k norms, one rope, soft caps)."""
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

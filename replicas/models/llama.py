@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
         factor = 1.0 if self.rotary_emb.partial else scaling.attention_factor
         scale = (config.attn_scale or hd ** -0.5) * factor ** 2
         self.attn = Attention(self.qkv_proj.num_heads, hd, self.qkv_proj.num_kv_heads, scale,
-                              config.layer_window(layer), backend)
+                              config.layer_window(layer), backend, softcap=config.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -45,6 +45,10 @@ CHECKPOINTS = {
                                         layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12,
                                         final_logit_softcapping=5.0, rope_local_base_freq=100.0,
                                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # both soft caps, every second layer a window of 5, one rope
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, vocab_size=128, sliding_window=5,
+                                    query_pre_attn_scalar=20, attn_logit_softcapping=1.5,
+                                    final_logit_softcapping=4.0)),
     # fused qkv_proj / gate_up_proj tensors; a window of 8 that MIXED_STEPS' longer sequences cross; Phi3Config's
     # default pad id (32000) lies outside a tiny vocabulary
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, vocab_size=128, sliding_window=8, bos_token_id=1,

@@ -13,12 +13,14 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-def _dense(q, k, v, context_len, scale, window=None):
+def _dense(q, k, v, context_len, scale, window=None, softcap=None):
     """q [n, H, D] at positions context_len.., k/v [L, KVH, D] for positions 0..L-1."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1).float()
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     pos_q = context_len + torch.arange(q.shape[0])
     pos_k = torch.arange(k.shape[0])[None, :]
     mask = pos_k <= pos_q[:, None]
@@ -29,9 +31,10 @@ def _dense(q, k, v, context_len, scale, window=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32])
-@pytest.mark.parametrize("window", [None, 20])
+# softcap 0.5 caps the scores hard (they spread over about +-1 here): Gemma 2's attention soft cap
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (20, 0.5)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (4, 4, 64), (8, 1, 48)])
-def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype, window):
+def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype, window, softcap):
     g = torch.Generator().manual_seed(heads * 7 + head_dim)
     block_size, num_blocks = 16, 64
     # (context already cached, new tokens): decode, prefill with and without context, long decode
@@ -53,13 +56,13 @@ def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype, window):
         q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype),
         torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=DEVICE),
-        tables.to(DEVICE), scale, max(n for _, n in seqs), sliding_window=window).float().cpu()
+        tables.to(DEVICE), scale, max(n for _, n in seqs), sliding_window=window, softcap=softcap).float().cpu()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for i, (c, n) in enumerate(seqs):
         blocks = tables[i, : math.ceil((c + n) / block_size)].long()
         k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(dtype).float()
         v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(dtype).float()
-        want = _dense(q[starts[i]: starts[i + 1]].to(dtype).float(), k, v, c, scale, window)
+        want = _dense(q[starts[i]: starts[i + 1]].to(dtype).float(), k, v, c, scale, window, softcap)
         got = out[starts[i]: starts[i + 1]]
         assert (got - want).abs().max().item() < tol * max(1.0, want.abs().max().item()), f"sequence {i}"
 
@@ -77,9 +80,9 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32])
-@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 0.5)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (8, 1, 48), (32, 8, 128)])
-def test_pure_decode_step_matches_dense(heads, kv_heads, head_dim, dtype, window):
+def test_pure_decode_step_matches_dense(heads, kv_heads, head_dim, dtype, window, softcap):
     """One token per sequence takes the GQA-grouped decode kernel: contexts of 1 to 150 tokens."""
     g = torch.Generator().manual_seed(heads + head_dim)
     block_size, num_blocks = 16, 64
@@ -98,13 +101,13 @@ def test_pure_decode_step_matches_dense(heads, kv_heads, head_dim, dtype, window
         q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype),
         torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE),
         torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables.to(DEVICE), scale, 1,
-        sliding_window=window).float().cpu()
+        sliding_window=window, softcap=softcap).float().cpu()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for i, n in enumerate(lens):
         blocks = tables[i, : math.ceil(n / block_size)].long()
         k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].to(dtype).float()
         v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].to(dtype).float()
-        want = _dense(q[i : i + 1].to(dtype).float(), k, v, n - 1, scale, window)
+        want = _dense(q[i : i + 1].to(dtype).float(), k, v, n - 1, scale, window, softcap)
         torch.testing.assert_close(out[i : i + 1], want, atol=tol, rtol=tol)
 
 

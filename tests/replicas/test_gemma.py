@@ -1,4 +1,5 @@
-"""Gemma 3 (Gemma3ForCausalLM): its config fields, and the engine against transformers (+ PEFT).
+"""Gemma 3 (Gemma3ForCausalLM, Gemma3ForConditionalGeneration) and Gemma 2: their config fields, and the
+engine against transformers (+ PEFT).
 
 The model's logits are compared with transformers in test_model_vs_hf.py (the "gemma3" checkpoint: a sliding
 layer of window 6 over local rope, a full layer over linearly scaled global rope, soft-capped logits); here the
@@ -46,14 +47,30 @@ def test_parses_the_v5_layout():
     assert (cfg.layer_rope(0)[0], cfg.layer_rope(0)[1].factor, cfg.local_rope[0]) == (5e5, 4.0, 50.0)
 
 
+def test_parses_gemma_2_with_its_defaults():
+    """google/gemma-2-2b's config.json leaves layer_types out: every second layer attends to everything; both
+    soft caps default on (transformers' Gemma2Config)."""
+    raw = {**GEMMA3_1B, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "num_hidden_layers": 4,
+           "sliding_window": 4096, "rope_theta": 10000.0}
+    for key in ("rope_local_base_freq", "sliding_window_pattern", "final_logit_softcapping",
+                "attn_logit_softcapping"):
+        raw.pop(key)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.layer_sliding_windows == (4096, None, 4096, None)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.qk_norm) == (50.0, 30.0, False)
+    assert cfg.local_rope is None and cfg.layer_rope(0) == cfg.layer_rope(1) == (10000.0, cfg.rope_scaling)
+    unset = ModelConfig.from_dict({**raw, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (unset.attn_logit_softcapping, unset.final_logit_softcapping) == (None, None)
+
+
 @pytest.mark.parametrize("change,match", [
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
+    ({"attn_logit_softcapping": -1}, "attn_logit_softcapping must be a positive number"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
     ({"layer_types": ["sliding_attention"] * 3}, "each of the 7 layers"),
     ({"layer_types": ["chunked_attention"] * 7}, "each of the 7 layers"),
-], ids=["attn-softcap", "bidirectional", "exact-gelu", "short-layer-types", "unknown-layer-type"])
-def test_refused_gemma3_configs_name_the_field(change, match):
+], ids=["negative-softcap", "bidirectional", "exact-gelu", "short-layer-types", "unknown-layer-type"])
+def test_refused_gemma_configs_name_the_field(change, match):
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_dict({**GEMMA3_1B, **change})
 
@@ -61,6 +78,18 @@ def test_refused_gemma3_configs_name_the_field(change, match):
 @pytest.fixture(scope="module")
 def gemma3_dir(demo, tmp_path_factory):
     return over_demo_tokenizer(demo, tmp_path_factory.mktemp("gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(demo, tmp_path_factory):
+    return over_demo_tokenizer(demo, tmp_path_factory.mktemp("gemma2"), "gemma2")
+
+
+def test_gemma_2_generation_with_an_adapter_matches_hf_peft(gemma2_dir, tmp_path):
+    """Gemma 2's soft-capped attention and logits, its window on every second layer, through the engine."""
+    adapters = {"g2": write_peft_adapter(gemma2_dir, tmp_path / "g2", 60, r=8, lora_alpha=16,
+                                         target_modules=["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"])}
+    generate_against_peft(gemma2_dir, adapters, PROMPTS, [None, "g2", "g2"], STEPS)
 
 
 @pytest.fixture(scope="module")
