@@ -73,6 +73,15 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.tanh(x)
+    else:  # the interpreter: tanh(x) = 2 / (1 + e^-2x) - 1, whose exp saturates to the right limits
+        y = 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+    return y
+
+
+@triton.jit
 def _rsqrt(x, PRECISE: tl.constexpr):
     if PRECISE:
         y = libdevice.rsqrt(x)
@@ -217,9 +226,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so,
                          slots_ptr, s_ptr, b_ptr, ranks_ptr, ss_t, ss_l, sb_l, sb_n, sr_s, s_slice,
                          part_ptr, sp, eps, inv_n,
                          BLOCK: tl.constexpr, PRECISE: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                         CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr):
+                         CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr, GELU_TANH: tl.constexpr):
     """HAS_LORA: gate and up get a two-slice PendingExpand's row first, each rounded to x's dtype as the
-    expand kernel would have stored it. CHUNKS > 0: then a RowScale's factor, rounded again, as apply_()."""
+    expand kernel would have stored it. CHUNKS > 0: then a RowScale's factor, rounded again, as apply_().
+    GELU_TANH: gelu(gate, approximate="tanh") instead of silu (Gemma), as torch's CUDA kernel computes it."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -238,7 +248,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so,
         up = (up.to(tl.float32) * inv).to(up.dtype)
     up = up.to(tl.float32)
     g = gate.to(tl.float32)
-    act = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(gate.dtype)  # F.silu rounds to the dtype
+    if GELU_TANH:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+        inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+        act = (0.5 * g * (1.0 + _tanh(inner, PRECISE))).to(gate.dtype)
+    else:
+        act = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(gate.dtype)  # F.silu rounds to the dtype
     tl.store(out_ptr + row * so + offs, (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -247,8 +261,9 @@ def silu_fusable(x: torch.Tensor, lora: PendingExpand) -> bool:
     return x.dim() == 2 and lora.fusable((x.shape[-1] // 2,) * 2)
 
 
-def silu_and_mul(x: torch.Tensor, lora: PendingExpand | None = None, row_scale: RowScale | None = None) -> torch.Tensor:
-    """x [..., 2I] = [gate | up] -> new silu(gate) * up [..., I].
+def silu_and_mul(x: torch.Tensor, lora: PendingExpand | None = None, row_scale: RowScale | None = None,
+                 gelu_tanh: bool = False) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> new silu(gate) * up [..., I] (gelu_tanh: gelu(gate, approximate="tanh")).
 
     lora: a two-slice expand (gate, up) still owed to x = [T, 2I], added first as lora.apply() would
     (rounded to x.dtype); row_scale: a RowScale still owed to x [T, 2I], applied next as its apply_() would.
@@ -266,7 +281,8 @@ def silu_and_mul(x: torch.Tensor, lora: PendingExpand | None = None, row_scale: 
     lora_args, lora_consts = _lora_args(lora, x2)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
         x2, out2, inter, x2.stride(0), out2.stride(0), *lora_args, *_scale_args(row_scale, x2), BLOCK=block,
-        PRECISE=x.is_cuda, **lora_consts, **_scale_consts(row_scale), num_warps=4, **_launch_opts(x))
+        PRECISE=x.is_cuda, **lora_consts, **_scale_consts(row_scale), GELU_TANH=gelu_tanh, num_warps=4,
+        **_launch_opts(x))
     return out
 
 

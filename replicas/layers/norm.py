@@ -79,6 +79,8 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
 
+    gelu_tanh = False  # the fused kernel's activation: silu
+
     def forward(self, x: torch.Tensor, lora: PendingExpand | None = None,
                 row_scale: RowScale | None = None) -> torch.Tensor:
         """lora: gate_up_proj's expand, left to this op (lora_core/punica/pending.py): the fused kernel adds
@@ -94,26 +96,18 @@ class SiluAndMul(nn.Module):
             if row_scale is not None:
                 row_scale.apply_(x)
             return self.forward_native(x)
-        return fused.silu_and_mul(x, lora=lora, row_scale=row_scale)
+        return fused.silu_and_mul(x, lora=lora, row_scale=row_scale, gelu_tanh=self.gelu_tanh)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
-class GeluTanhAndMul(nn.Module):
-    """x [..., 2I] = [gate | up] -> gelu_tanh(gate) * up [..., I] (Gemma's MLP: transformers' gelu_pytorch_tanh).
+class GeluTanhAndMul(SiluAndMul):
+    """x [..., 2I] = [gate | up] -> gelu_tanh(gate) * up [..., I] (Gemma's MLP: transformers' gelu_pytorch_tanh);
+    the same fused kernel as SiluAndMul on CUDA, with its activation switched."""
 
-    The torch code on every device: no fused kernel yet, so a LoRA expand owed to x and a norm's row scale
-    are applied to x first (SiluAndMul's interface)."""
-
-    def forward(self, x: torch.Tensor, lora: PendingExpand | None = None,
-                row_scale: RowScale | None = None) -> torch.Tensor:
-        if lora is not None:
-            lora.apply()
-        if row_scale is not None:
-            row_scale.apply_(x)
-        return self.forward_native(x)
+    gelu_tanh = True
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)

@@ -23,7 +23,7 @@ from lora_core.punica.pending import PendingExpand
 from lora_core.punica.triton_kernels import RANK_MASK_GROUP
 from replicas.kernels import fused
 from replicas.kernels import lora_norm
-from replicas.layers import RMSNorm, RotaryEmbedding, SiluAndMul, norm
+from replicas.layers import GeluTanhAndMul, RMSNorm, RotaryEmbedding, SiluAndMul, norm
 from replicas.rope_config import LONG_ROPE, RopeScaling
 from tests.lora_core.punica_cases import stacked_weights
 
@@ -75,14 +75,15 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", sorted(ROW_SLOTS))
 @pytest.mark.parametrize("inter, block", [(96, 256), (200, 32)])  # one program per row; several, the last partial
-def test_silu_and_mul_adds_the_pending_expand_to_gate_and_up(rows, inter, block, dtype, monkeypatch):
+@pytest.mark.parametrize("layer", [SiluAndMul, GeluTanhAndMul])
+def test_silu_and_mul_adds_the_pending_expand_to_gate_and_up(rows, inter, block, dtype, layer, monkeypatch):
     monkeypatch.setattr(fused, "LORA_SILU_BLOCK", block)
     x = _randn(rows, 2 * inter, dtype=dtype, seed=4, scale=2.0)
     args = (ROW_SLOTS[rows], (inter, inter), dtype, rows + 100)
     x_before = x.clone()
 
-    out = fused.silu_and_mul(x, lora=_pending(*args, True, x))
-    _close(out, SiluAndMul().forward_native(_reference_input(x, args)))
+    out = fused.silu_and_mul(x, lora=_pending(*args, True, x), gelu_tanh=layer.gelu_tanh)
+    _close(out, layer().forward_native(_reference_input(x, args)))
     assert torch.equal(x, x_before)
 
 
@@ -122,8 +123,8 @@ def test_silu_and_mul_layer_fuses_slots_up_to_its_rank_limit(monkeypatch):
     inter, dtype = 64, torch.float32
     handed = []
 
-    def silu_and_mul(x, lora=None, row_scale=None):
-        assert row_scale is None
+    def silu_and_mul(x, lora=None, row_scale=None, gelu_tanh=False):
+        assert row_scale is None and not gelu_tanh
         handed.append(lora)
         if lora is not None:
             lora.apply()  # into x, as the kernel adds it
