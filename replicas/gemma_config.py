@@ -89,5 +89,5 @@ def _ropes(raw: dict[str, Any], where: str) -> tuple[tuple[float, RopeScaling], 
                            where)
         return full, local
     full = parse_rope({"rope_scaling": raw.get("rope_scaling"), "rope_parameters": raw.get("rope_parameters"),
-                       "rope_theta": raw.get("rope_theta", GLOBAL_THETA)}, where)
-    return full, (float(raw.get("rope_local_base_freq", LOCAL_THETA)), RopeScaling())
+                       "rope_theta": raw.get("rope_theta") or GLOBAL_THETA}, where)
+    return full, (float(raw.get("rope_local_base_freq") or LOCAL_THETA), RopeScaling())
