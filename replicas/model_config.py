@@ -1,6 +1,6 @@
 """ModelConfig: what the engine needs from an HF-format model directory.
 
-Reads config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3 architectures) and, when present,
+Reads config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite architectures) and, when present,
 generation_config.json; the rope fields in replicas/rope_config.py.
 """
 
@@ -20,7 +20,7 @@ from replicas.rope_config import RopeScaling, check_longrope_factors, parse_rope
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
                            "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-                           "Gemma3ForConditionalGeneration": "gemma3"}
+                           "Gemma3ForConditionalGeneration": "gemma3", "GraniteForCausalLM": "granite"}
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -59,6 +59,10 @@ class ModelConfig:
     hidden_act: str = "silu"
     embed_scale: float | None = None
     final_logit_softcapping: float | None = None
+    # Granite: each layer's attention and MLP outputs times residual_multiplier before the residual add, the
+    # logits divided by logits_scaling (its embedding_multiplier is embed_scale, attention_multiplier attn_scale)
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
@@ -112,7 +116,7 @@ class ModelConfig:
             if raw.get("hidden_act", "silu") != "silu":
                 raise ModelConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
             theta, scaling = parse_rope(raw, where)
-            extra = {}
+            extra = _granite(raw, where) if model_type == "granite" else {}
         rotary_dim = rotary_dim_of(raw, model_type, values["head_dim"], where)
         if scaling.rope_type == "longrope":
             check_longrope_factors(scaling, rotary_dim or values["head_dim"], where)
@@ -205,6 +209,17 @@ def _architecture(raw: dict[str, Any], where: str) -> str:
             return by_type[raw["model_type"]]
     raise ModelConfigError(f"{where}: architecture {archs or raw.get('model_type')!r} is not supported; "
                            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+
+
+def _granite(raw: dict[str, Any], where: str) -> dict[str, float]:
+    """Granite's four multipliers (transformers' GraniteConfig: 1 where absent), as ModelConfig's fields."""
+    names = dict(embed_scale="embedding_multiplier", attn_scale="attention_multiplier",
+                 residual_multiplier="residual_multiplier", logits_scaling="logits_scaling")
+    values = {field: raw.get(key, 1.0) for field, key in names.items()}
+    bad = [names[f] for f, v in values.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0]
+    if bad:
+        raise ModelConfigError(f"{where}: {', '.join(bad)} must be positive numbers")
+    return {field: float(v) for field, v in values.items()}
 
 
 def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:

@@ -10,6 +10,7 @@ from replicas.attention import AttentionBackend
 from replicas.loader import iterate_weights
 from replicas.model_config import ModelConfig
 from replicas.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from replicas.models.granite import GraniteForCausalLM
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.phi3 import Phi3ForCausalLM
 from replicas.parallel import ParallelContext
@@ -18,7 +19,8 @@ MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": Ll
                   "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
                   "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma2ForCausalLM": Gemma2ForCausalLM,
                   "Gemma3ForCausalLM": Gemma3ForCausalLM,
-                  "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration}
+                  "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+                  "GraniteForCausalLM": GraniteForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
@@ -51,5 +53,6 @@ def dummy_model(config: ModelConfig, ctx: ParallelContext, device: torch.device,
     return model.eval()
 
 
-__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "LlamaForCausalLM",
+__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GraniteForCausalLM",
+           "LlamaForCausalLM",
            "MODEL_REGISTRY", "Phi3ForCausalLM", "dummy_model", "load_model", "model_class"]

@@ -45,6 +45,9 @@ CHECKPOINTS = {
                                         layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12,
                                         final_logit_softcapping=5.0, rope_local_base_freq=100.0,
                                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # Granite's four multipliers, none of them 1
+    "granite": ("GraniteConfig", dict(num_key_value_heads=2, vocab_size=128, embedding_multiplier=3.0,
+                                      attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0)),
     # both soft caps, every second layer a window of 5, one rope
     "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, vocab_size=128, sliding_window=5,
                                     query_pre_attn_scalar=20, attn_logit_softcapping=1.5,
