@@ -64,10 +64,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.engine_workload import (GEMMA3_1B, LLAMA3_8B, LLAMA32_1B, PHI3_MINI, PHI4_MINI,  # noqa: E402
-                                   QWEN3_8B, TINY, AdapterPools, Recorder, Request, adapter_bytes, assign_adapters, copy_bandwidth,
-                                   drive, kv_bytes_per_token, make_requests, summarize, weight_bytes,
-                                   write_model_dir)
+from bench.engine_workload import (GEMMA3_1B, GRANITE_8B, LLAMA3_8B, LLAMA32_1B,  # noqa: E402
+                                   PHI3_MINI, PHI4_MINI, QWEN3_8B, TINY, AdapterPools, Recorder, Request,
+                                   adapter_bytes, assign_adapters, copy_bandwidth, drive, kv_bytes_per_token,
+                                   make_requests, summarize, weight_bytes, write_model_dir)
 from bench.triton_compiles import CompileLog  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 
@@ -264,7 +264,7 @@ def hf_rows(a, work: Path, dtype: torch.dtype, emit) -> None:
 
 
 MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B, "phi3-mini": PHI3_MINI, "phi4-mini": PHI4_MINI,
-          "gemma3-1b": GEMMA3_1B}
+          "gemma3-1b": GEMMA3_1B, "granite-8b": GRANITE_8B}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

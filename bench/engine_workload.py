@@ -65,6 +65,12 @@ GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", 
                  vocab_size=262144, max_position_embeddings=32768, hidden_activation="gelu_pytorch_tanh",
                  query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0,
                  rope_local_base_freq=10000.0, tie_word_embeddings=True)
+# Granite 3.1 8B: Llama-3-8B-like with its four multipliers and a 49 K vocabulary
+GRANITE_8B = dict(architectures=["GraniteForCausalLM"], model_type="granite", hidden_size=4096, num_hidden_layers=40,
+                  num_attention_heads=32, num_key_value_heads=8, intermediate_size=12800, vocab_size=49155,
+                  max_position_embeddings=131072, rope_theta=10000000.0, tie_word_embeddings=True,
+                  embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
+                  logits_scaling=16.0)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -179,7 +179,8 @@ def test_random_sampling_rows_generate_every_requested_token(tmp_path):
 @pytest.mark.parametrize("model,want", [("qwen3-8b", ("qwen3", True, 36, 128, 12288, None)),
                                         ("phi3-mini", ("phi3", False, 32, 96, 8192, 2047)),
                                         ("phi4-mini", ("phi3", False, 32, 128, 8192, None)),
-                                        ("gemma3-1b", ("gemma3", True, 26, 256, 6912, None))])
+                                        ("gemma3-1b", ("gemma3", True, 26, 256, 6912, None)),
+                                        ("granite-8b", ("granite", False, 40, 128, 12800, None))])
 def test_a_model_shape_writes_a_model_dir_of_its_architecture(tmp_path, model, want):
     """bench/engine.py --model ...: the model directory parses as that architecture (Qwen3's and Gemma 3's head
     norms on, Phi-3's window) at that shape; the benchmark's byte counts read the same head_dim."""
