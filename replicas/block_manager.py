@@ -185,11 +185,12 @@ class BlockManager:
             return
         prev = self.blocks[seq.block_table[start - 1]].block_hash if start else None
         tokens = _token_slice(seq, start * bs, num_full * bs)
+        namespace = self._namespace(seq)
         for i in range(start, num_full):
             b = self.blocks[seq.block_table[i]]
             if b.block_hash is None:
                 b.token_ids = tuple(tokens[(i - start) * bs : (i - start + 1) * bs])
-                b.namespace, b.prev_hash = self._namespace(seq), prev
+                b.namespace, b.prev_hash = namespace, prev
                 b.block_hash = block_key_hash(prev, b.namespace, b.token_ids)
                 # A duplicate of a block someone else registered stays private.
                 self._hash_to_block.setdefault(b.block_hash, b.block_id)

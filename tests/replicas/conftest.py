@@ -152,6 +152,18 @@ def peft_greedy_reference(model_dir: Path, adapters: dict[str, Path], prompts: l
     return results
 
 
+# Every Llama-family projection, as PEFT names them
+EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_peft_adapters(model_dir: Path, root: Path, first_seed: int, configs: dict[str, dict],
+                        **common: Any) -> dict[str, Path]:
+    """{name: directory} of write_peft_adapter's adapters, one per configs entry (its LoraConfig fields over
+    common), seeded first_seed, first_seed + 1, ... in configs' order."""
+    return {name: write_peft_adapter(model_dir, root / name, first_seed + i, **{**common, **config})
+            for i, (name, config) in enumerate(configs.items())}
+
+
 def generate_against_peft(model_dir: Path, adapters: dict[str, Path], prompts: list[str],
                           names: list[str | None], steps: int, tp: int = 1, fully_sharded: bool = False) -> list:
     """The engine's greedy outputs (LoRA at rank up to 8, two slots; TP over the GPUs where there are tp of

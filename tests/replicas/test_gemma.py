@@ -15,7 +15,8 @@ import math
 import pytest
 
 from replicas.model_config import ModelConfig, ModelConfigError
-from tests.replicas.conftest import generate_against_peft, over_demo_tokenizer, write_peft_adapter
+from tests.replicas.conftest import (EVERY_PROJECTION, generate_against_peft, over_demo_tokenizer,
+                                     write_peft_adapter, write_peft_adapters)
 
 STEPS = 8
 PROMPTS = ["The quick brown fox", "Once upon a time in a city far away, there lived", "SELECT"]
@@ -96,11 +97,9 @@ def test_gemma_2_generation_with_an_adapter_matches_hf_peft(gemma2_dir, tmp_path
 def gemma3_adapters(gemma3_dir, tmp_path_factory):
     """Two PEFT adapters: every projection at rank 8; attention and embed_tokens at rank 4."""
     root = tmp_path_factory.mktemp("gemma3-adapters")
-    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    configs = {"all-r8": dict(r=8, lora_alpha=16, target_modules=every),
+    configs = {"all-r8": dict(r=8, lora_alpha=16, target_modules=EVERY_PROJECTION),
                "embed-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "embed_tokens"])}
-    return {name: write_peft_adapter(gemma3_dir, root / name, 40 + i, **config)
-            for i, (name, config) in enumerate(configs.items())}
+    return write_peft_adapters(gemma3_dir, root, 40, configs)
 
 
 @pytest.mark.parametrize("tp,fully_sharded", [(1, False), (2, True)])

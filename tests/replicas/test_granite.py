@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from replicas.model_config import ModelConfig, ModelConfigError
-from tests.replicas.conftest import generate_against_peft, over_demo_tokenizer, write_peft_adapter
+from tests.replicas.conftest import EVERY_PROJECTION, generate_against_peft, over_demo_tokenizer, write_peft_adapters
 
 STEPS = 8
 PROMPTS = ["The quick brown fox", "Once upon a time in a city far away, there lived", "SELECT"]
@@ -45,11 +45,9 @@ def granite_dir(demo, tmp_path_factory):
 @pytest.fixture(scope="module")
 def granite_adapters(granite_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("granite-adapters")
-    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    configs = {"all-r8": dict(r=8, lora_alpha=16, target_modules=every),
+    configs = {"all-r8": dict(r=8, lora_alpha=16, target_modules=EVERY_PROJECTION),
                "embed-r4": dict(r=4, lora_alpha=8, target_modules=["o_proj", "embed_tokens"])}
-    return {name: write_peft_adapter(granite_dir, root / name, 70 + i, **config)
-            for i, (name, config) in enumerate(configs.items())}
+    return write_peft_adapters(granite_dir, root, 70, configs)
 
 
 @pytest.mark.parametrize("tp,fully_sharded", [(1, False), (2, True)])

@@ -20,7 +20,7 @@ from replicas.models import Phi3ForCausalLM, load_model
 from replicas.parallel import ParallelContext
 from replicas.sampling_params import SamplingParams
 from tests.replicas.conftest import (build_model, generate_against_peft, over_demo_tokenizer, peft_greedy_reference,
-                                     run_steps, write_peft_adapter)
+                                     run_steps, write_peft_adapters)
 
 STEPS = 8
 WINDOW = 8  # CHECKPOINTS["phi3"]'s sliding_window
@@ -163,8 +163,7 @@ def phi3_adapters(phi3_dir, tmp_path_factory):
     """Two PEFT adapters on the fused modules (ranks 8 and 4, a rank pattern on qkv_proj), written by peft."""
     root = tmp_path_factory.mktemp("phi3-adapters")
     configs = {"fused-r8": dict(r=8, lora_alpha=16), "fused-r4": dict(r=4, lora_alpha=4, rank_pattern={"qkv_proj": 2})}
-    return {name: write_peft_adapter(phi3_dir, root / name, 20 + i, target_modules=FUSED_TARGETS, **config)
-            for i, (name, config) in enumerate(configs.items())}
+    return write_peft_adapters(phi3_dir, root, 20, configs, target_modules=FUSED_TARGETS)
 
 
 @pytest.mark.parametrize("tp,fully_sharded", [(1, False), (2, True)])
