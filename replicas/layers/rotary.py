@@ -102,6 +102,8 @@ class RotaryEmbedding(nn.Module):
         # q.k times its square), which costs nothing; the dimensions a partly turned head passes are not scaled,
         # so there cos and sin carry it.
         self.cos_sin_factor = scaling.attention_factor if scaling is not None and self.partial else 1.0
+        # the kernels' shape arguments, built once: forward runs per layer per step
+        self._shape = dict(long_from=self.long_from, rotary_dim=self.rotary_dim, cos_sin_factor=self.cos_sin_factor)
 
     @property
     def partial(self) -> bool:
@@ -124,7 +126,6 @@ class RotaryEmbedding(nn.Module):
         row_scale: the RowScale the norm before qkv_proj left (with v): applied after the expand, v's part in
         place, by the same kernel or first."""
         fused = fused_ops(q)
-        shape = dict(long_from=self.long_from, rotary_dim=self.rotary_dim, cos_sin_factor=self.cos_sin_factor)
         if row_scale is not None and v is None:
             raise ValueError("RotaryEmbedding takes a row_scale with q, k and v: v needs it too")
         if lora is not None:
@@ -135,7 +136,7 @@ class RotaryEmbedding(nn.Module):
 
                 if lora_rotary.fusable(lora, q, k, v):
                     return lora_rotary.rotary_lora(positions, q, k, v, self.inv_freq, self.head_dim, lora, row_scale,
-                                                   **shape)
+                                                   **self._shape)
             lora.apply()
         if row_scale is not None:
             row_scale.apply_(q, k, v)
@@ -143,7 +144,7 @@ class RotaryEmbedding(nn.Module):
             return self.forward_native(positions, q, k)
         from replicas.kernels import rotary  # triton: CUDA only here
 
-        return rotary.rotary(positions, q, k, self.inv_freq, self.head_dim, **shape)
+        return rotary.rotary(positions, q, k, self.inv_freq, self.head_dim, **self._shape)
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
