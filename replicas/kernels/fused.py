@@ -73,7 +73,7 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x, PRECISE: tl.constexpr):
+def tanh(x, PRECISE: tl.constexpr):
     if PRECISE:
         y = libdevice.tanh(x)
     else:  # the interpreter: tanh(x) = 2 / (1 + e^-2x) - 1, whose exp saturates to the right limits
@@ -250,7 +250,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, so,
     g = gate.to(tl.float32)
     if GELU_TANH:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
         inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
-        act = (0.5 * g * (1.0 + _tanh(inner, PRECISE))).to(gate.dtype)
+        act = (0.5 * g * (1.0 + tanh(inner, PRECISE))).to(gate.dtype)
     else:
         act = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(gate.dtype)  # F.silu rounds to the dtype
     tl.store(out_ptr + row * so + offs, (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=mask)

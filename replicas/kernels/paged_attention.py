@@ -32,15 +32,16 @@ from replicas.kernels import fused
 
 
 @triton.jit
-def _attend(q, k, v, allowed, m_i, l_i, acc, scale, softcap, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+def _attend(q, k, v, allowed, m_i, l_i, acc, scale, softcap, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+            PRECISE: tl.constexpr):
     """One online-softmax step of flash attention over a tile of keys: the new (max, sum, accumulator).
     SOFTCAP: scores become softcap * tanh(score / softcap) first (Gemma 2)."""
     if IEEE:  # float32 caches get float32 products (Triton's default for them is TF32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-    if SOFTCAP:  # tanh(x) = 2 / (1 + e^-2x) - 1: exp saturates to the right limits at both ends
-        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
+    if SOFTCAP:
+        s = softcap * fused.tanh(s / softcap, PRECISE)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row may see only masked keys so far (sliding window): keep its sums at 0, not NaN.
@@ -66,7 +67,7 @@ def _paged_attention_kernel(
     sbt_s,
     QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, PRECISE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -104,7 +105,7 @@ def _paged_attention_kernel(
         allowed = (pos_k[None, :] <= pos_q[:, None]) & k_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (pos_k[None, :] > pos_q[:, None] - WINDOW)
-        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, softcap, IEEE, SOFTCAP)
+        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, softcap, IEEE, SOFTCAP, PRECISE)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + offs_q)[:, None].to(tl.int64) * so_t + head * so_h + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & d_mask[None, :])
@@ -121,7 +122,7 @@ def _paged_decode_kernel(
     sbt_s,
     QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """A pure decode step (token i = sequence i): one program per (sequence, kv head).
 
@@ -157,7 +158,7 @@ def _paged_decode_kernel(
         allowed = k_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (pos_k[None, :] > pos_q - WINDOW)
-        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, softcap, IEEE, SOFTCAP)
+        m_i, l_i, acc = _attend(q, k, v, allowed, m_i, l_i, acc, scale, softcap, IEEE, SOFTCAP, PRECISE)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + seq.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -191,7 +192,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             block_tables.stride(0),
             QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
             BLOCK_N=max(64, block_size), HEAD_DIM=head_dim, BLOCK_D=block_d, WINDOW=sliding_window or 0,
-            IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, num_warps=4, num_stages=2,
+            IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, PRECISE=q.is_cuda,
+            num_warps=4, num_stages=2,
         )
         return out
     block_q = 16 if max_query_len <= 16 else 32 if max_query_len <= 64 else 64
@@ -206,7 +208,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0),
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_Q=block_q, WINDOW=sliding_window or 0,
-        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None,
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, PRECISE=q.is_cuda,
         num_warps=4, num_stages=2,
     )
     return out

@@ -126,7 +126,9 @@ def peft_greedy_reference(model_dir: Path, adapters: dict[str, Path], prompts: l
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # eager: transformers' sdpa path has no attention soft cap (Gemma 2), and 5.17 (the GPU machine's) picks
+    # it by default: 0.07 off in logprob there, where ours came out the same with Triton's attention or ours
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     if adapters:
         first, *rest = sorted(adapters)
         model = PeftModel.from_pretrained(model, adapters[first], adapter_name=first)

@@ -30,7 +30,7 @@ def _dense(q, k, v, context_len, scale, window=None, softcap=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.float32])
 # softcap 0.5 caps the scores hard (they spread over about +-1 here): Gemma 2's attention soft cap
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (20, 0.5)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (4, 4, 64), (8, 1, 48)])
@@ -79,7 +79,7 @@ def test_bad_shapes_are_refused():
                         torch.tensor([0, 1], dtype=torch.int32), one + 1, torch.zeros(1, 1, dtype=torch.int32), 1.0, 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.float32])
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 0.5)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (8, 1, 48), (32, 8, 128)])
 def test_pure_decode_step_matches_dense(heads, kv_heads, head_dim, dtype, window, softcap):
