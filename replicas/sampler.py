@@ -1,6 +1,7 @@
 """Sampler: logits -> next tokens, batched over requests with different settings.
 
-Order of operations (as in vLLM): penalties; min_tokens (EOS and the stop
+Order of operations (as in vLLM): penalties (replicas/penalties.py: counts kept
+on the device between steps); min_tokens (EOS and the stop
 token ids masked until that many tokens were generated), bad_words, logit_bias
 and allowed_token_ids; the structured-output masks (replicas/grammar.py); then
 greedy argmax for temperature-0 rows, and for the others temperature, min_p,
@@ -32,11 +33,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from replicas import candidate_draw, nucleus_draw
 from replicas.grammar import apply_token_masks
+from replicas.penalties import PenaltyState
 from replicas.sampling_params import SamplingParams
 from replicas.seeded_noise import exponentials, key_pairs
 from replicas.sequence import Sequence
@@ -100,6 +101,7 @@ class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         # Keys of rows without a seed of their own: any random bits do; seeded, the same bits run after run.
         self._fresh_keys = random.Random(seed)
+        self.penalties = PenaltyState()
 
     def sample(
         self,
@@ -124,8 +126,9 @@ class Sampler:
         # logprobs without a copy: on a decode step that is the CUDA graph's static buffer.
         raw = logits = logits.float()
 
+        penalized = None
         if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits, seqs, params)
+            logits, penalized = self.penalties.apply(logits, seqs, params)
         restricted = self._apply_min_tokens_and_bias(logits, seqs, params)
         if token_masks is not None:  # where min_tokens or allowed_token_ids leave no token, the grammar wins
             restricted = apply_token_masks(restricted, token_masks, fallback=None if restricted is logits else logits)
@@ -145,6 +148,8 @@ class Sampler:
                 keys = self._noise_keys([seqs[i] for i in group])
                 token_ids[rows] = draw(logits[rows], keys, [params[i] for i in group])
 
+        if penalized is not None:
+            self.penalties.record(penalized, token_ids)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplerOutput(token_ids, n, self._logprobs(raw, token_ids, want, params, n) if want else None)
 
@@ -154,31 +159,6 @@ class Sampler:
         return [self._fresh_keys.getrandbits(64) if key is None else key for key in keys]
 
     # -- steps ------------------------------------------------------------
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence], params: Seq[SamplingParams]) -> torch.Tensor:
-        n, vocab = logits.shape
-        device = logits.device
-
-        # The outputs' ids, padded with an extra column that is dropped afterwards, through numpy: a nested list
-        # through torch.tensor costs about 60 ns an id, every step.
-        width = max(1, max(s.num_output_tokens for s in seqs))
-        ids = np.full((n, width), vocab, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            if s.output_token_ids:
-                ids[i, : s.num_output_tokens] = s.output_token_ids
-        ids_dev = torch.from_numpy(ids)
-        ids_dev = ids_dev.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids_dev
-        out_counts = torch.zeros((n, vocab + 1), dtype=logits.dtype, device=device)
-        out_counts = out_counts.scatter_add_(1, ids_dev, torch.ones_like(ids_dev, dtype=logits.dtype))[:, :vocab]
-        if any(p.repetition_penalty != 1 for p in params):
-            rep = _column([p.repetition_penalty for p in params], logits)
-            seen = torch.stack([s.prompt_mask(vocab, device) for s in seqs]) | (out_counts > 0)
-            scaled = torch.where(logits > 0, logits / rep, logits * rep)
-            logits = torch.where(seen, scaled, logits)
-        freq = _column([p.frequency_penalty for p in params], logits)
-        presence = _column([p.presence_penalty for p in params], logits)
-        return logits - freq * out_counts - presence * (out_counts > 0).to(logits.dtype)
-
     @staticmethod
     def _apply_min_tokens_and_bias(logits: torch.Tensor, seqs: Seq[Sequence],
                                    params: Seq[SamplingParams]) -> torch.Tensor:

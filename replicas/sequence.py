@@ -1,15 +1,10 @@
-"""Sequence: one request's tokens and its progress through the scheduler.
-
-Pure Python, except the optional torch.Generator a seeded request samples with.
-"""
+"""Sequence: one request's tokens and its progress through the scheduler. Pure Python."""
 
 from __future__ import annotations
 
 import enum
 import time
 from collections.abc import Iterable
-
-import torch
 
 from lora_core.request import LoRARequest
 from replicas.sampling_params import SamplingParams
@@ -90,7 +85,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self._draws = 0  # random draws so far: with a seed, the next one's noise is row_key(seed, _draws)
-        self._prompt_masks: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     # -- tokens -----------------------------------------------------------
     @property
@@ -151,18 +145,6 @@ class Sequence:
         self.num_preemptions += 1
 
     # -- randomness -------------------------------------------------------
-    def prompt_mask(self, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[vocab] bool on ``device``: the tokens the prompt holds. Built once (repetition_penalty reads it at
-        every step, and a prompt of thousands of ids would otherwise travel to the device each time)."""
-        device = torch.device(device)
-        mask = self._prompt_masks.get((device, vocab))
-        if mask is None:
-            mask = torch.zeros(vocab, dtype=torch.bool)
-            mask[torch.tensor([t for t in set(self.prompt_token_ids) if 0 <= t < vocab], dtype=torch.long)] = True
-            mask = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
-            self._prompt_masks[(device, vocab)] = mask
-        return mask
-
     def take_noise_key(self) -> int | None:
         """The noise key of this request's next random draw (replicas/seeded_noise.py), None when no seed was
         given; each call is a draw."""

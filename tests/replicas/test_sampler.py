@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from replicas.penalties import PenaltyState, penalize_reference
 from replicas.sampler import Sampler
 from replicas.sampling_params import SamplingParams
 from replicas.sequence import Sequence
@@ -84,7 +85,6 @@ def test_penalties_match_their_definitions():
         SamplingParams(temperature=0),
     ]
     seqs = seqs_for(params, prompt=(0, 1), outputs=(3, 3, 5))
-    got = Sampler._apply_penalties(logits.clone(), seqs, params)
     exp = logits.clone()
     exp[0, [3, 5]] -= 1.5  # presence: once per distinct output token
     exp[1, 3] -= 1.0  # frequency: per occurrence
@@ -92,7 +92,9 @@ def test_penalties_match_their_definitions():
     for t in (0, 3, 5):  # repetition: prompt and output tokens; positive logits divided
         exp[2, t] /= 2.0
     exp[2, 1] *= 2.0  # negative logits multiplied
+    got = penalize_reference(logits, seqs, params)
     assert torch.allclose(got, exp) and got.shape == (4, vocab)
+    assert torch.equal(PenaltyState().apply(logits, seqs, params)[0], got)
 
 
 def test_penalties_change_sampling_not_logprobs():
