@@ -3,7 +3,8 @@
 With async scheduling the sampler's host time is spent while the GPU runs the step, so on a small model
 (whose step is short) it can set the pace; its GPU time adds to every step. bench/sampling_settings.py sees
 both through a whole engine; this times the call alone, on the logits of one decode step (rows x vocab,
-bf16 as the model writes them), each sequence with `--outputs` tokens generated (what the penalties read):
+bf16 as the model writes them), each sequence with `--outputs` tokens generated (what the penalties read)
+and, as in the engine, each call's tokens appended to its outputs:
 
     python bench/sampler_host.py --rows 32 --vocab 128256
 
@@ -60,6 +61,8 @@ def time_setting(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], i
             end.record()
             end.synchronize()
         out.logprobs  # noqa: B018 - read back, as the engine does
+        for seq, token in zip(seqs, out.token_ids.tolist()):  # and appended: the penalties' counts follow them
+            seq.append_token(token)
         if i >= 5:
             host.append(spent * 1e3)
             gpu.append(start.elapsed_time(end) if cuda else 0.0)

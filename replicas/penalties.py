@@ -187,10 +187,15 @@ class PenaltyState:
                        settings: torch.Tensor) -> torch.Tensor:
         """The CPU path: the penalized rows' slots through the reference's arithmetic."""
         index = torch.tensor([s.index for s in slots])
-        columns = settings[rows, 1:].unsqueeze(2)  # [rows, 3, 1]: repetition, frequency, presence
-        out = logits.clone()
-        out[rows] = _penalize(logits[rows], self.counts[index], self.prompt[index].bool(), *columns.unbind(1))
-        return out
+        every = len(rows) == logits.shape[0]  # rows are then 0..N-1: no gather, no scatter
+        columns = (settings[:, 1:] if every else settings[rows, 1:]).unsqueeze(2)  # [rows, 3, 1]
+        out = _penalize(logits if every else logits[rows], self.counts[index], self.prompt[index].bool(),
+                        *columns.unbind(1))
+        if every:
+            return out
+        whole = logits.clone()
+        whole[rows] = out
+        return whole
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -40,6 +40,7 @@ from replicas.grammar import apply_token_masks
 from replicas.penalties import PenaltyState
 from replicas.sampling_params import SamplingParams
 from replicas.seeded_noise import exponentials, key_pairs
+from replicas.token_logprobs import token_logprobs
 from replicas.sequence import Sequence
 
 
@@ -240,17 +241,16 @@ class Sampler:
     def _logprobs(
         raw: torch.Tensor, token_ids: torch.Tensor, rows: list[int], params: Seq[SamplingParams], n: int
     ) -> Callable[[], list[SampleLogprobs | None]]:
-        """Queue the rows' logprob kernels now; the returned function reads them back."""
-        idx = _on(rows, torch.long, raw.device)
-        lp = raw[idx].log_softmax(dim=-1)
-        chosen = token_ids[idx]
-        chosen_lp = lp.gather(1, chosen.unsqueeze(1))
-        ranks = (lp > chosen_lp).sum(dim=-1) + 1
-        top_lp, top_ids = lp.topk(max(params[i].logprobs for i in rows), dim=-1)
+        """Queue the rows' logprob kernels now (replicas/token_logprobs.py); the returned function reads them
+        back."""
+        if len(rows) < n:
+            idx = _on(rows, torch.long, raw.device)
+            raw, token_ids = raw[idx], token_ids[idx]
         kks = [params[i].logprobs for i in rows]
-        # Copied to pinned host memory now, behind the sampling: `.tolist()` on the device tensors later would
+        k = max(kks)
+        # Copied to pinned host memory now, behind the sampling: `.tolist()` on the device tensor later would
         # wait for everything queued by then, the next step's forward pass among them.
-        parts = [t.to("cpu", non_blocking=True) for t in (top_lp, top_ids, chosen, chosen_lp.squeeze(1), ranks)]
+        packed = token_logprobs(raw, token_ids, k).to("cpu", non_blocking=True)
         copied = None
         if raw.is_cuda:
             copied = torch.cuda.Event()
@@ -259,10 +259,9 @@ class Sampler:
         def read() -> list[SampleLogprobs | None]:
             if copied is not None:
                 copied.synchronize()
-            tl, ti, ch, chl, rk = (t.tolist() for t in parts)
             out: list[SampleLogprobs | None] = [None] * n
-            for j, (i, kk) in enumerate(zip(rows, kks)):
-                out[i] = SampleLogprobs(ch[j], chl[j], rk[j], ti[j][:kk], tl[j][:kk])
+            for i, kk, (token, logprob, rank, *tops) in zip(rows, kks, packed.tolist()):
+                out[i] = SampleLogprobs(int(token), logprob, int(rank), [int(t) for t in tops[k: k + kk]], tops[:kk])
             return out
 
         return read

@@ -83,11 +83,17 @@ def synthetic_step(runner: "ModelRunner", num_tokens: int, num_adapters: int, nu
 
 @torch.inference_mode()
 def draw_kernels(runner: "ModelRunner") -> None:
-    """The sampler's Triton draws over random logits, once per variant, on rank 0 (the rank whose logits the
-    engine samples): the candidate draw at each width (candidate_draw.candidate_widths), the nucleus draw and the
-    seeded noise over the vocabulary. Without it the first request with top_p, or with a top_k of a new power
-    of two, compiled its variant in the middle of serving (bench/engine.py --sampling nucleus named it)."""
-    from replicas.sampler import TOP_K_CANDIDATES  # the sampler's module imports more than a runner needs
+    """The sampler's Triton kernels over random logits, once per variant, on rank 0 (the rank whose logits the
+    engine samples): the candidate draw at each width (candidate_draw.candidate_widths), the nucleus draw, the
+    seeded noise over the vocabulary, the penalties and the logprobs. Without it the first request with top_p,
+    or with a top_k of a new power of two, compiled its variant in the middle of serving (bench/engine.py
+    --sampling nucleus named it)."""
+    # the sampler's modules import more than a runner needs
+    from replicas.penalties import PenaltyState
+    from replicas.sampler import TOP_K_CANDIDATES
+    from replicas.sampling_params import SamplingParams
+    from replicas.sequence import Sequence
+    from replicas.token_logprobs import token_logprobs
 
     if runner.ctx.tp_rank != 0:
         return
@@ -101,6 +107,11 @@ def draw_kernels(runner: "ModelRunner") -> None:
     settings = torch.tensor([nucleus_draw.settings_row(1.0, 0.9, 0.0)] * 2, device=runner.device)
     nucleus_draw.draw_nucleus(logits, settings, pairs)
     exponentials(pairs, vocab)
+    tokens = logits.argmax(dim=-1)
+    token_logprobs(logits, tokens, 2)
+    penalties = PenaltyState()
+    seqs = [Sequence(f"warm-up {i}", [1], SamplingParams(presence_penalty=1.0)) for i in range(2)]
+    penalties.record(penalties.apply(logits, seqs, [s.sampling_params for s in seqs])[1], tokens)
 
 
 def _layouts(runner: "ModelRunner"):
