@@ -5,9 +5,8 @@ The logits at prompt position p predict token p + 1, so a prefill chunk over pos
 gives the entries of tokens start + 1 .. start + n that are in the prompt (the last prompt position's logits
 are the sampled row's). The runner computes logits for these rows after the sampled ones
 (StepInput.prompt_logprob_rows); recording them reads them back to the host, a sync that only steps holding
-such rows pay, and holds a [rows, vocab] float32 block for the step (a 2,048-token chunk of a 128 K vocabulary:
-1 GiB). A request asking for them computes its whole prompt: prefix caching would leave the cached positions
-without logits (block_manager.py). Entry 0 (the first token, which nothing predicts) is None, as in vLLM.
+such rows pay. A request asking for them computes its whole prompt: prefix caching would leave the cached
+positions without logits (block_manager.py). Entry 0 (the first token, which nothing predicts) is None, as in vLLM.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import torch
 from replicas.model_runner import StepInput
 from replicas.scheduler import ScheduledSequence
 from replicas.sequence import Sequence
+from replicas.token_logprobs import token_logprobs
 
 
 @dataclass
@@ -48,23 +48,20 @@ def plan(scheduled: Seq[ScheduledSequence]) -> tuple[list[int], list[PromptRows]
 def record(logits: torch.Tensor, spans: Seq[PromptRows], entries: Callable[[Sequence], list | None]) -> None:
     """logits [len(rows), vocab]: each span's entries ({token: logprob} of the prompt token and its position's
     top-k) appended to entries(seq), a list whose length is the next prompt token's index; entries a preempted
-    sequence computes again are not appended twice."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    for span in spans:
+    sequence computes again are not appended twice. The rows go through token_logprobs (no [rows, vocab]
+    log_softmax: a 2,048-token chunk's would take another GiB) and come back in one copy."""
+    targets = [t for span in spans for t in span.seq.prompt_token_ids[span.first + 1: span.first + 1 + span.count]]
+    ks = [span.seq.sampling_params.prompt_logprobs for span in spans]
+    k = max(ks)
+    rows = token_logprobs(logits, torch.tensor(targets, device=logits.device), k).tolist()
+    for span, kk in zip(spans, ks):
         out = entries(span.seq)
         if out is None:
             continue
-        ids = span.seq.prompt_token_ids[span.first + 1 : span.first + 1 + span.count]
-        part = logprobs[span.row : span.row + span.count]
-        chosen = part.gather(1, torch.tensor(ids, device=part.device).unsqueeze(1)).squeeze(1).tolist()
-        k = span.seq.sampling_params.prompt_logprobs
-        top_values, top_ids = part.topk(k, dim=-1) if k else (None, None)
-        top_values = top_values.tolist() if k else [[]] * len(ids)
-        top_ids = top_ids.tolist() if k else [[]] * len(ids)
-        for j, token in enumerate(ids):
+        for j, (token, logprob, _rank, *tops) in enumerate(rows[span.row: span.row + span.count]):
             if span.first + 1 + j == len(out):
-                entry = dict(zip(top_ids[j], top_values[j]))
-                entry[token] = chosen[j]
+                entry = {int(t): v for t, v in zip(tops[k: k + kk], tops[:kk])}
+                entry[int(token)] = logprob
                 out.append(entry)
 
 

@@ -28,11 +28,12 @@ def token_logprobs_reference(logits: torch.Tensor, token_ids: torch.Tensor, k: i
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
-    """token_logprobs_reference's tensor, by torch.topk and two Triton launches on CUDA."""
+    """token_logprobs_reference's tensor, by torch.topk and two Triton launches on CUDA. logits of any float
+    dtype, computed in float32 (on CUDA without a float32 copy of them)."""
     if logits.shape[1] >= MAX_ID:
         raise ValueError(f"a vocabulary of {logits.shape[1]} ids does not fit float32's exact integers")
     if logits.is_cuda:
         from replicas.kernels.token_logprobs import token_logprobs as kernel  # triton: CUDA only here
 
         return kernel(logits, token_ids, k)
-    return token_logprobs_reference(logits, token_ids, k)
+    return token_logprobs_reference(logits.float(), token_ids, k)

@@ -26,7 +26,7 @@ def _partials_kernel(logits_ptr, token_ptr, part_ptr, vocab, stride, per_split, 
     row = tl.program_id(0)
     split = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride
-    chosen = tl.load(base + tl.load(token_ptr + row))
+    chosen = tl.load(base + tl.load(token_ptr + row)).to(tl.float32)
     lane_max = tl.full((BLOCK,), -float("inf"), tl.float32)
     lane_sum = tl.zeros((BLOCK,), tl.float32)
     lane_above = tl.zeros((BLOCK,), tl.int32)
@@ -34,7 +34,7 @@ def _partials_kernel(logits_ptr, token_ptr, part_ptr, vocab, stride, per_split, 
     end = tl.minimum(start + per_split, vocab)
     for offset in range(start, end, BLOCK):
         cols = offset + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < end, other=-float("inf"))
+        x = tl.load(base + cols, mask=cols < end, other=-float("inf")).to(tl.float32)
         new_max = tl.maximum(lane_max, x)
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a lane with only -inf so far: sums stay 0
         lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
@@ -65,16 +65,17 @@ def _combine_kernel(logits_ptr, token_ptr, part_ptr, top_ptr, ids_ptr, out_ptr, 
     token = tl.load(token_ptr + row)
     out = out_ptr + row * (3 + 2 * k)
     tl.store(out, token.to(tl.float32))
-    tl.store(out + 1, tl.load(logits_ptr + row.to(tl.int64) * stride + token) - lse)
+    tl.store(out + 1, tl.load(logits_ptr + row.to(tl.int64) * stride + token).to(tl.float32) - lse)
     tl.store(out + 2, tl.sum(tl.load(parts + 2, mask=used, other=0.0), axis=0) + 1.0)
     j = tl.arange(0, BLOCK_K)
     first_k = j < k
-    tl.store(out + 3 + j, tl.load(top_ptr + row * k + j, mask=first_k) - lse, mask=first_k)
+    tl.store(out + 3 + j, tl.load(top_ptr + row * k + j, mask=first_k).to(tl.float32) - lse, mask=first_k)
     tl.store(out + 3 + k + j, tl.load(ids_ptr + row * k + j, mask=first_k).to(tl.float32), mask=first_k)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
-    """logits [N, V] float32 (rows may be strided), token_ids [N] int64 -> [N, 3 + 2k] float32."""
+    """logits [N, V] (any float dtype, computed in float32; rows may be strided), token_ids [N] int64 ->
+    [N, 3 + 2k] float32."""
     n, vocab = logits.shape
     if logits.stride(1) != 1 or k > BLOCK_K:
         raise ValueError(f"token_logprobs: rows must be contiguous and k at most {BLOCK_K}, got k = {k}")

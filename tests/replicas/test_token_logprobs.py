@@ -35,14 +35,17 @@ def test_the_reference_is_log_softmax():
 
 # (rows, vocab, k): one split and several (the kernel splits 128 K into 16), a vocabulary off the block size,
 # k = 0 (the drawn token only)
-@pytest.mark.parametrize("rows,vocab,k", [(3, 50, 4), (2, 40_000, 5), (4, 128_256, 0), (2, 9_000, 20)])
-def test_the_kernels_equal_the_reference(rows, vocab, k):
+# bfloat16: a prefill's prompt rows, read as the model wrote them (in float32 inside the kernel)
+@pytest.mark.parametrize("rows,vocab,k,dtype", [(3, 50, 4, torch.float32), (2, 40_000, 5, torch.float32),
+                                                (4, 128_256, 0, torch.float32), (2, 9_000, 20, torch.bfloat16)])
+def test_the_kernels_equal_the_reference(rows, vocab, k, dtype):
     from replicas.kernels.token_logprobs import token_logprobs
 
-    wide = _logits(rows, vocab, rows + vocab).repeat(1, 2).to(DEVICE)  # rows strided by 2 V
+    wide = _logits(rows, vocab, rows + vocab).repeat(1, 2).to(DEVICE, dtype)  # rows strided by 2 V
     logits = wide[:, :vocab]
     tokens = torch.tensor([3, vocab - 1, vocab // 2, 0][:rows], device=DEVICE)
-    got, want = token_logprobs(logits, tokens, k).cpu(), token_logprobs_reference(logits, tokens, k).cpu()
+    got = token_logprobs(logits, tokens, k).cpu()
+    want = token_logprobs_reference(logits.float(), tokens, k).cpu()
     assert got.shape == want.shape == (rows, 3 + 2 * k)
     assert torch.equal(got[:, [0, 2]], want[:, [0, 2]]) and torch.equal(got[:, 3 + k:], want[:, 3 + k:])
     # the logsumexp sums in another order: float32 rounding of values up to ~40
