@@ -75,7 +75,8 @@ class LLMEngine:
                                   lora_fused_max_adapters=args.lora_fused_max_adapters,
                                   lora_compact_slots=args.lora_compact_slots,
                                   lora_pending_max_tokens=args.lora_pending_max_tokens,
-                                  lora_pending_min_adapters=args.lora_pending_min_adapters)
+                                  lora_pending_min_adapters=args.lora_pending_min_adapters,
+                                  quantization=args.quantization)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
         # GPU: compile the kernels, capture the decode and piecewise graphs
         self.num_cuda_graphs = self.executor.call("warm_up")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lora_core.config import LoRAConfig
+from replicas.quantization import check_method
 from replicas.scheduler import POLICIES
 
 
@@ -16,6 +17,7 @@ class EngineArgs:
     model: str
     tensor_parallel_size: int = 1
     dtype: str = "auto"
+    quantization: str | None = None  # "fp8": linear layers' weights in FP8, per-token FP8 inputs (quantization.py)
     device: str | None = None  # default: cuda when available
     enable_lora: bool = False
     max_loras: int = 4
@@ -115,6 +117,7 @@ class EngineArgs:
             raise ValueError(f"lora_pending_max_tokens must be >= 0 (0: off), got {self.lora_pending_max_tokens}")
         if self.lora_pending_min_adapters < 1:
             raise ValueError(f"lora_pending_min_adapters must be >= 1, got {self.lora_pending_min_adapters}")
+        check_method(self.quantization)
         if self.lora_merge_steps and not self.enable_lora:
             raise ValueError("lora_merge_steps merges adapters: it needs enable_lora=True")
 

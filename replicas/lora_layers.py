@@ -56,16 +56,17 @@ class StackedWeight:
 
 
 def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: torch.device, tp_size: int,
-                       dtype: torch.dtype | None = None) -> int:
+                       dtype: torch.dtype | None = None, quantized: bool = False) -> int:
     """EngineArgs.lora_stacked_max_tokens resolved: None is 256 on CUDA and 0 (off) elsewhere. Off with
-    fully_sharded_loras under TP, whose ranks hold part of each A row, and with a lora_dtype other than the
-    model's dtype (one GEMM reads both); asking for it there raises."""
+    fully_sharded_loras under TP, whose ranks hold part of each A row, with a lora_dtype other than the
+    model's dtype (one GEMM reads both), and with FP8 base weights; asking for it there raises."""
     sharded = lora_config.fully_sharded_loras and tp_size > 1
     mixed = dtype is not None and lora_config.slot_dtype(dtype) != dtype
-    if sharded or mixed:
+    if sharded or mixed or quantized:
         if requested:
             raise LoRAConfigError("lora_stacked_max_tokens needs whole A rows on every rank in the model's dtype: "
-                                  "not with fully_sharded_loras and tensor_parallel_size > 1, nor another lora_dtype")
+                                  "not with fully_sharded_loras and tensor_parallel_size > 1, nor another "
+                                  "lora_dtype, nor quantization")
         return 0
     if requested is None:
         return 256 if device.type == "cuda" else 0
@@ -202,7 +203,8 @@ class _LoRAWrapper(nn.Module):
             if pending is None:
                 self.punica.add_expand_stacked(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias)
             return y, out, pending
-        if self.base.forward_bias is None:  # the base GEMM adds into the expand's delta (PunicaWrapper.lora_linear)
+        if self.base.forward_bias is None and not self.base.quantized:
+            # the base GEMM adds into the expand's delta (PunicaWrapper.lora_linear); an FP8 GEMM has no C operand
             y = self.punica.lora_linear(x, self.base.weight, b.lora_a, b.lora_b, b.bias, b.output_slices, b.ranks)
             return y, y, None
         y = self.base.base_forward(x)

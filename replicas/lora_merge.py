@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from lora_core.config import LoRAConfig
+from lora_core.errors import LoRAConfigError
 from lora_core.merge import (MergeUndo, allocate_undo, apply_merge, check_mergeable, count_fixups, remove_merge,
                              slot_factors)
 from lora_core.model_manager import LoRAModelManager
@@ -61,9 +62,15 @@ MAX_WAIT_DOUBLINGS = 6
 DEFAULT_MERGE_AFTER = 8
 
 
-def merge_after_steps(requested: int | None, lora_config: LoRAConfig, device: torch.device, tp_size: int) -> int:
+def merge_after_steps(requested: int | None, lora_config: LoRAConfig, device: torch.device, tp_size: int,
+                      quantized: bool = False) -> int:
     """EngineArgs.lora_merge_steps resolved: None is DEFAULT_MERGE_AFTER on CUDA where adapters can merge and 0
-    (off) elsewhere: on CPU, and with fully-sharded LoRA under TP or LoRA bias slots (a merge there raises)."""
+    (off) elsewhere: on CPU, and with fully-sharded LoRA under TP or LoRA bias slots (a merge there raises), or
+    FP8 base weights (asking for merges there raises: W + B A would not stay the FP8 weight it is)."""
+    if quantized:
+        if requested:
+            raise LoRAConfigError("lora_merge_steps: adapters cannot merge into FP8 weights (quantization='fp8')")
+        return 0
     if requested is not None:
         return requested
     unmergeable = (lora_config.fully_sharded_loras and tp_size > 1) or lora_config.bias_enabled
@@ -71,9 +78,9 @@ def merge_after_steps(requested: int | None, lora_config: LoRAConfig, device: to
 
 
 def merger_for(model: torch.nn.Module, manager: LoRAModelManager, requested: int | None, ctx: ParallelContext,
-               device: torch.device) -> LoRAMerger | None:
+               device: torch.device, quantized: bool = False) -> LoRAMerger | None:
     """The engine's merger (TP ranks agree through ctx), or None where merge_after_steps turns merging off."""
-    merge_after = merge_after_steps(requested, manager.config, device, ctx.tp_size)
+    merge_after = merge_after_steps(requested, manager.config, device, ctx.tp_size, quantized)
     if not merge_after:
         return None
     return LoRAMerger.for_model(model, manager, merge_after, agree=lambda ok: ctx.all_true(ok, device))

@@ -40,7 +40,9 @@ def build_lora(model: torch.nn.Module, cfg: "RunnerConfig", ctx: ParallelContext
     """Add LoRA to model's linear layers (cfg.lora_config set) and build what serves adapters on this rank."""
     lora_config = cfg.lora_config
     specs = lora_module_specs(model)
-    stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, lora_config, device, ctx.tp_size, dtype)
+    quantized = cfg.quantization is not None
+    stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, lora_config, device, ctx.tp_size, dtype,
+                                        quantized)
     stacked = stack_lora_weights(model, specs, lora_config) if stacked_tokens else {}
     # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
     processes = load_processes_for(cfg.lora_load_processes, device)
@@ -66,7 +68,7 @@ def build_lora(model: torch.nn.Module, cfg: "RunnerConfig", ctx: ParallelContext
                            pending_min_adapters=cfg.lora_pending_min_adapters)
     add_lora(model, manager, punica, lora_config, stacked)
     # A merge's undo lives in the memory the KV budget leaves (lora_merge.py)
-    merger = merger_for(model, manager, cfg.lora_merge_steps, ctx, device)
+    merger = merger_for(model, manager, cfg.lora_merge_steps, ctx, device, quantized)
     processes = load_processes_with_pool(cfg.lora_load_processes, processes, manager.host_pool)
     loads = AdapterLoads(manager, lora_config, specs, processes, pin=device.type == "cuda",
                          switch_interval=cfg.lora_load_switch_interval)

@@ -31,6 +31,7 @@ from replicas.model_config import ModelConfig
 from replicas.models import dummy_model, load_model
 from replicas.parallel import ParallelContext
 from replicas.piecewise_graphs import PiecewiseGraphs
+from replicas.quantization import quantize_model
 from replicas.warm_up import warm_up
 
 # Evicting prefetch copies per step: an 8B rank-16 adapter's copy takes 2.2 ms of an H200's ~6.5 ms decode step
@@ -88,6 +89,7 @@ class RunnerConfig:
     lora_compact_slots: bool = True  # each step's adapters in the lowest slots, with the stacked path
     lora_pending_max_tokens: int | None = None  # stacked steps up to this many rows fuse gate_up's expand into silu
     lora_pending_min_adapters: int = 5  # ... when their adapter bound is at least this
+    quantization: str | None = None  # "fp8": the linear layers' weights in FP8 (replicas/quantization.py)
 
 
 class ModelRunner:
@@ -105,6 +107,8 @@ class ModelRunner:
             self.model = dummy_model(self.model_config, self.ctx, self.device, backend)
         else:
             self.model = load_model(cfg.model, self.model_config, self.ctx, self.device, attn_backend=backend)
+        if cfg.quantization is not None:  # before LoRA wraps the layers, and before the KV budget is measured
+            quantize_model(self.model, cfg.quantization, self.model_config.dtype, self.device)
         mc = self.model_config
         self.lora_manager: LoRAModelManager | None = None
         self.punica: PunicaWrapper | None = None

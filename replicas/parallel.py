@@ -38,6 +38,12 @@ class ParallelContext:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of x over the TP ranks, in place; returns x."""
+        if self.tp_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_true(self, ok: bool, device: torch.device) -> bool:
         """Whether ok holds on every TP rank (each passes its own; a collective, so every rank must call it)."""
         if self.tp_size == 1:

@@ -15,6 +15,9 @@ LoRA output before the all-reduce.
 
 ``weight_loader(param, loaded_weight, shard_id=None)`` takes a FULL checkpoint
 tensor (one slice's, or the whole packed weight when shard_id is None).
+``quantize_fp8()`` turns a loaded layer's weight into FP8 with per-row scales
+(``weight_scale``; replicas/quantization.py), after which base_forward runs the
+FP8 GEMM.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from lora_core.punica.pending import PendingExpand
 from replicas.layers.gemm import linear
 from replicas.loader import CheckpointError, copy_checked
 from replicas.parallel import ParallelContext
+from replicas.quantization import fp8_linear, quantize_rows, row_scales
 
 
 class LinearBase(nn.Module):
+    splits_rows = False  # whether the ranks hold parts of each weight row (RowParallelLinear)
+
     def __init__(self, input_size: int, output_sizes: Sequence[int], ctx: ParallelContext | None,
                  params_dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -39,6 +45,7 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_sizes = tuple(output_sizes)
         self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.register_buffer("weight_scale", None)  # float32 per output row, once quantize_fp8 ran
 
     def _param(self, *shape: int) -> nn.Parameter:
         # no device argument: building under `with torch.device(...)` allocates in place
@@ -47,7 +54,26 @@ class LinearBase(nn.Module):
         return param
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self._gemm(x, self.bias)
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, bias)
+        return linear(x, self.weight, bias)
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight_scale is not None
+
+    def quantize_fp8(self) -> None:
+        """The loaded weight in float8 e4m3, each row scaled by its max |w| / 448 over the whole row (the ranks
+        of a row-parallel layer agree on it); the model's-dtype weight is dropped."""
+        scales = row_scales(self.weight.data)
+        if self.splits_rows:
+            self.ctx.all_reduce_max(scales)
+        quantized, _ = quantize_rows(self.weight.data, scales)
+        self.weight = nn.Parameter(quantized, requires_grad=False)
+        self.weight_scale = scales
 
     @property
     def forward_bias(self) -> torch.Tensor | None:
@@ -176,8 +202,10 @@ class RowParallelLinear(LinearBase):
         self.weight = self._param(output_size, self.input_size_per_partition)
         self.bias = self._param(output_size) if bias else None
 
+    splits_rows = True
+
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return self._gemm(x, None)
 
     @property
     def forward_bias(self) -> None:

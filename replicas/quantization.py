@@ -1,0 +1,95 @@
+"""FP8 base weights (EngineArgs.quantization="fp8"): the linear layers' weights in float8 e4m3, LoRA as before.
+
+A decode step reads every weight once, so its time is mostly the weights' bytes: in FP8 they are half of
+bfloat16's (an 8B model's 15 GB -> 7.5 GB), and the memory freed goes to the KV cache. As vLLM's
+`--quantization fp8` does for a bfloat16 checkpoint, the engine quantizes each linear layer's weight when it
+loads it, and each GEMM's input as it runs:
+
+- weights per output channel: w_q = round_fp8(w / s_n), s_n = max |w[n, :]| / 448 over the whole row (a
+  row-parallel layer's ranks agree on it through one all-reduce at load, so the weights do not depend on the
+  tensor-parallel size);
+- inputs per token, on each rank's part of the row: x_q = round_fp8(x / s_t), s_t = max |x[t, :]| / 448;
+- y = (x_q @ w_q^T) * s_t * s_n in the model's dtype: torch._scaled_mm on CUDA (one cuBLASLt FP8 GEMM with
+  both scales, Hopper and later), the same products in float32 elsewhere (fp8_linear_reference: the CPU
+  path, and the definition the GPU is checked against).
+
+What stays in the model's dtype: embeddings, the LM head, norms, and every LoRA (the adapters' shrink and
+expand read the unquantized input, as vLLM's LoRA over FP8 does). A quantized layer cannot merge an adapter
+into its weights (replicas/lora_merge.py) nor stack adapters' A rows beside them (lora_stacked_max_tokens):
+the engine turns both off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+METHODS = ("fp8",)
+# a row of zeros keeps a scale that divides safely (its values quantize to 0 whatever the scale)
+MIN_SCALE = 1e-12
+
+
+def check_method(quantization: str | None) -> str | None:
+    if quantization is not None and quantization not in METHODS:
+        raise ValueError(f"quantization must be None or one of {', '.join(METHODS)}, got {quantization!r}")
+    return quantization
+
+
+def quantize_model(model: torch.nn.Module, method: str, dtype: torch.dtype, device: torch.device) -> int:
+    """Quantize every linear layer of a loaded model (those with quantize_fp8: not the embeddings nor the LM
+    head); returns how many. Raises ValueError where this GPU or dtype has no FP8 GEMM to run them."""
+    check_method(method)
+    if device.type == "cuda" and dtype == torch.float16:
+        raise ValueError("quantization='fp8' runs bfloat16 models on CUDA (the FP8 GEMM's row-wise scales write "
+                         "bfloat16), not float16")
+    if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"quantization='fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 or "
+                         f"later: Ada, Hopper, Blackwell), not {torch.cuda.get_device_name(device)}")
+    layers = [m for m in model.modules() if hasattr(m, "quantize_fp8")]
+    for layer in layers:
+        layer.quantize_fp8()
+    return len(layers)
+
+
+def row_scales(t: torch.Tensor) -> torch.Tensor:
+    """[rows, K] -> [rows] float32: max |row| / FP8_MAX (at least MIN_SCALE)."""
+    return (t.abs().amax(dim=-1).float() / FP8_MAX).clamp_(min=MIN_SCALE)
+
+
+def quantize_rows(t: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, K] -> (float8 [rows, K], float32 scales [rows]): t / scale rounded to the nearest FP8 value
+    (saturated at +-448), each row with its own scale (row_scales(t) unless given)."""
+    scales = row_scales(t) if scales is None else scales
+    q = (t.float() / scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scales
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (the model's dtype) @ an FP8 weight [N, K] with per-row scales [N] -> [..., N] in x's dtype:
+    x quantized per token, the products in float32, both scales applied to the sum, then the bias."""
+    rows = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_rows(rows)
+    y = (xq.float() @ weight.float().t()) * x_scale.unsqueeze(1) * weight_scale.unsqueeze(0)
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear_reference's result: for bfloat16 on CUDA, the input quantized by one Triton launch and one
+    torch._scaled_mm (row-wise scales); elsewhere (CPU, float32 on CUDA: tests) the reference."""
+    if not x.is_cuda or x.dtype != torch.bfloat16:
+        return fp8_linear_reference(x, weight, weight_scale, bias)
+    from replicas.kernels.fp8 import quantize_rows as quantize_on_gpu  # triton: CUDA only here
+
+    rows = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_on_gpu(rows)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
+                         out_dtype=x.dtype)
+    if bias is not None:  # added as the reference adds it: after the product's rounding to x's dtype
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
