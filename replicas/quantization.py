@@ -47,6 +47,11 @@ def quantize_model(model: torch.nn.Module, method: str, dtype: torch.dtype, devi
         raise ValueError(f"quantization='fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 or "
                          f"later: Ada, Hopper, Blackwell), not {torch.cuda.get_device_name(device)}")
     layers = [m for m in model.modules() if hasattr(m, "quantize_fp8")]
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        for layer in layers:  # cuBLASLt's FP8 GEMM takes this rank's [N, K] weight only in steps of 16
+            if any(size % 16 for size in layer.weight.shape):
+                raise ValueError(f"quantization='fp8': a linear layer's weight on this rank is "
+                                 f"{tuple(layer.weight.shape)}, and the FP8 GEMM needs both sizes multiples of 16")
     for layer in layers:
         layer.quantize_fp8()
     return len(layers)

@@ -143,3 +143,19 @@ def test_an_fp8_engine_on_cuda_serves_adapters_close_to_bfloat16(demo, loras):
         gaps = [abs(next(iter(a.values())) - next(iter(b.values())))
                 for a, b in zip(q.prompt_logprobs[1:], e.prompt_logprobs[1:])]
         assert sum(gaps) / len(gaps) < 0.1, gaps
+
+
+def test_merging_and_the_stacked_path_are_off_over_fp8_weights():
+    from lora_core.config import LoRAConfig
+    from lora_core.errors import LoRAConfigError
+    from replicas.lora_layers import stacked_max_tokens
+    from replicas.lora_merge import merge_after_steps
+
+    config, cuda = LoRAConfig(max_loras=2, max_lora_rank=8), torch.device("cuda")
+    assert merge_after_steps(None, config, cuda, 1, quantized=True) == 0
+    assert stacked_max_tokens(None, config, cuda, 1, torch.bfloat16, quantized=True) == 0
+    assert merge_after_steps(None, config, cuda, 1) > 0 and stacked_max_tokens(None, config, cuda, 1) > 0
+    with pytest.raises(LoRAConfigError, match="FP8"):
+        merge_after_steps(8, config, cuda, 1, quantized=True)
+    with pytest.raises(LoRAConfigError, match="quantization"):
+        stacked_max_tokens(256, config, cuda, 1, torch.bfloat16, quantized=True)
