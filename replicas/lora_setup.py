@@ -36,11 +36,11 @@ class LoRAStack:
 
 
 def build_lora(model: torch.nn.Module, cfg: "RunnerConfig", ctx: ParallelContext, device: torch.device,
-               dtype: torch.dtype) -> LoRAStack:
-    """Add LoRA to model's linear layers (cfg.lora_config set) and build what serves adapters on this rank."""
+               dtype: torch.dtype, quantized: bool = False) -> LoRAStack:
+    """Add LoRA to model's linear layers (cfg.lora_config set) and build what serves adapters on this rank.
+    quantized: the linear layers' weights are FP8 (no merging, no stacked path)."""
     lora_config = cfg.lora_config
     specs = lora_module_specs(model)
-    quantized = cfg.quantization is not None
     stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, lora_config, device, ctx.tp_size, dtype,
                                         quantized)
     stacked = stack_lora_weights(model, specs, lora_config) if stacked_tokens else {}

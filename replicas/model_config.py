@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from replicas.errors import ModelConfigError
+from replicas.fp8_checkpoint import Fp8Checkpoint, parse_fp8_checkpoint
 from replicas.gemma_config import gemma_fields, text_config
 from replicas.rope_config import RopeScaling, check_longrope_factors, parse_rope, rotary_dim_of
 
@@ -66,6 +67,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
+    fp8_checkpoint: Fp8Checkpoint | None = None  # the linear layers' weights are FP8 in the checkpoint
     path: str | None = None
     generation_config: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -90,6 +92,7 @@ class ModelConfig:
         where = path or "config"
         arch = _architecture(raw, where)
         model_type = SUPPORTED_ARCHITECTURES[arch]
+        fp8 = parse_fp8_checkpoint(raw, where)  # at the top level, also for a multimodal config
         if arch == "Gemma3ForConditionalGeneration":  # served as its text model
             raw = text_config(raw)
         try:
@@ -130,7 +133,7 @@ class ModelConfig:
                    bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
                    eos_token_ids=_token_ids(gen.get("eos_token_id", raw.get("eos_token_id"))),
                    dtype=resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype"), device),
-                   path=path, generation_config=gen, **extra)
+                   path=path, generation_config=gen, fp8_checkpoint=fp8, **extra)
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to every key before it)."""

@@ -107,7 +107,10 @@ class ModelRunner:
             self.model = dummy_model(self.model_config, self.ctx, self.device, backend)
         else:
             self.model = load_model(cfg.model, self.model_config, self.ctx, self.device, attn_backend=backend)
-        if cfg.quantization is not None:  # before LoRA wraps the layers, and before the KV budget is measured
+        # FP8 weights: a checkpoint's as loaded, or quantized here (before LoRA wraps the layers, and before the
+        # KV budget is measured)
+        self.quantized = cfg.quantization is not None or self.model_config.fp8_checkpoint is not None
+        if cfg.quantization is not None and self.model_config.fp8_checkpoint is None:
             quantize_model(self.model, cfg.quantization, self.model_config.dtype, self.device)
         mc = self.model_config
         self.lora_manager: LoRAModelManager | None = None
@@ -116,7 +119,7 @@ class ModelRunner:
         self.loads: AdapterLoads | None = None  # background adapter loads (start_lora_load)
         self.merger: LoRAMerger | None = None
         if cfg.lora_config is not None:  # slots first, so the KV budget sees their memory as used
-            lora = build_lora(self.model, cfg, self.ctx, self.device, mc.dtype)
+            lora = build_lora(self.model, cfg, self.ctx, self.device, mc.dtype, self.quantized)
             self.lora_manager, self.punica, self.merger, self.loads = lora.manager, lora.punica, lora.merger, lora.loads
         self.num_blocks = self._num_kv_blocks()
         # One block more than the block manager hands out: padding rows of graph steps write there.

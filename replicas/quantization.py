@@ -40,21 +40,28 @@ def quantize_model(model: torch.nn.Module, method: str, dtype: torch.dtype, devi
     """Quantize every linear layer of a loaded model (those with quantize_fp8: not the embeddings nor the LM
     head); returns how many. Raises ValueError where this GPU or dtype has no FP8 GEMM to run them."""
     check_method(method)
+    layers = fp8_layers(model, dtype, device)
+    for layer in layers:
+        layer.quantize_fp8()
+    return len(layers)
+
+
+def fp8_layers(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> list[torch.nn.Module]:
+    """The model's linear layers (those with quantize_fp8: not the embeddings nor the LM head), once checked
+    that this device can run them in FP8 (ValueError where it cannot)."""
     if device.type == "cuda" and dtype == torch.float16:
-        raise ValueError("quantization='fp8' runs bfloat16 models on CUDA (the FP8 GEMM's row-wise scales write "
+        raise ValueError("FP8 weights run bfloat16 models on CUDA (the FP8 GEMM's row-wise scales write "
                          "bfloat16), not float16")
     if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"quantization='fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 or "
-                         f"later: Ada, Hopper, Blackwell), not {torch.cuda.get_device_name(device)}")
+        raise ValueError(f"FP8 weights need a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, "
+                         f"Hopper, Blackwell), not {torch.cuda.get_device_name(device)}")
     layers = [m for m in model.modules() if hasattr(m, "quantize_fp8")]
     if device.type == "cuda" and dtype == torch.bfloat16:
         for layer in layers:  # cuBLASLt's FP8 GEMM takes this rank's [N, K] weight only in steps of 16
             if any(size % 16 for size in layer.weight.shape):
-                raise ValueError(f"quantization='fp8': a linear layer's weight on this rank is "
-                                 f"{tuple(layer.weight.shape)}, and the FP8 GEMM needs both sizes multiples of 16")
-    for layer in layers:
-        layer.quantize_fp8()
-    return len(layers)
+                raise ValueError(f"FP8 weights: a linear layer's weight on this rank is {tuple(layer.weight.shape)}, "
+                                 f"and the FP8 GEMM needs both sizes multiples of 16")
+    return layers
 
 
 def row_scales(t: torch.Tensor) -> torch.Tensor:
@@ -71,11 +78,12 @@ def quantize_rows(t: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (the model's dtype) @ an FP8 weight [N, K] with per-row scales [N] -> [..., N] in x's dtype:
-    x quantized per token, the products in float32, both scales applied to the sum, then the bias."""
+    x quantized per token (or with input_scale [1], a checkpoint's static one), the products in float32, both
+    scales applied to the sum, then the bias."""
     rows = x.reshape(-1, x.shape[-1])
-    xq, x_scale = quantize_rows(rows)
+    xq, x_scale = quantize_rows(rows, None if input_scale is None else input_scale.expand(rows.shape[0]))
     y = (xq.float() @ weight.float().t()) * x_scale.unsqueeze(1) * weight_scale.unsqueeze(0)
     y = y.to(x.dtype)
     if bias is not None:
@@ -84,15 +92,15 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_linear_reference's result: for bfloat16 on CUDA, the input quantized by one Triton launch and one
     torch._scaled_mm (row-wise scales); elsewhere (CPU, float32 on CUDA: tests) the reference."""
     if not x.is_cuda or x.dtype != torch.bfloat16:
-        return fp8_linear_reference(x, weight, weight_scale, bias)
+        return fp8_linear_reference(x, weight, weight_scale, bias, input_scale)
     from replicas.kernels.fp8 import quantize_rows as quantize_on_gpu  # triton: CUDA only here
 
     rows = x.reshape(-1, x.shape[-1])
-    xq, x_scale = quantize_on_gpu(rows)
+    xq, x_scale = quantize_on_gpu(rows, input_scale)
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
                          out_dtype=x.dtype)
     if bias is not None:  # added as the reference adds it: after the product's rounding to x's dtype

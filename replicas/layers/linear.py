@@ -31,7 +31,7 @@ from lora_core.punica.pending import PendingExpand
 from replicas.layers.gemm import linear
 from replicas.loader import CheckpointError, copy_checked
 from replicas.parallel import ParallelContext
-from replicas.quantization import fp8_linear, quantize_rows, row_scales
+from replicas.quantization import FP8, fp8_linear, quantize_rows, row_scales
 
 
 class LinearBase(nn.Module):
@@ -45,7 +45,8 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_sizes = tuple(output_sizes)
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.register_buffer("weight_scale", None)  # float32 per output row, once quantize_fp8 ran
+        self.register_buffer("weight_scale", None)  # float32 per output row: FP8 weights (replicas/quantization.py)
+        self.register_buffer("input_scale", None)  # float32 [1]: inputs quantized with it (static), not per token
 
     def _param(self, *shape: int) -> nn.Parameter:
         # no device argument: building under `with torch.device(...)` allocates in place
@@ -58,7 +59,7 @@ class LinearBase(nn.Module):
 
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, bias)
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
         return linear(x, self.weight, bias)
 
     @property
@@ -74,6 +75,46 @@ class LinearBase(nn.Module):
         quantized, _ = quantize_rows(self.weight.data, scales)
         self.weight = nn.Parameter(quantized, requires_grad=False)
         self.weight_scale = scales
+
+    def expect_fp8(self, static_input: bool) -> None:
+        """Before loading an FP8 checkpoint (replicas/fp8_checkpoint.py): the weight as FP8, a weight_scale per
+        row, and with static_input an input_scale, each loading its shard from the checkpoint's tensors."""
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8, device=self.weight.device),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0], device=self.weight.device),
+                                         requires_grad=False)
+        self.weight_scale.weight_loader = self.scale_loader
+        if static_input:
+            self.input_scale = nn.Parameter(torch.zeros(1, device=self.weight.device), requires_grad=False)
+            self.input_scale.weight_loader = _largest_loader
+
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """weight_scale's rows from a checkpoint's scale: per channel ([out, 1] or [out]) or per tensor (one
+        value, repeated over the tensor's rows); this rank's rows, as weight_loader cuts the weight's."""
+        scale = loaded.float().reshape(-1)
+        if self.splits_rows or len(self.output_sizes) == 1 or shard_id is not None:
+            k = 0 if shard_id is None else self._slice_id(shard_id)
+            rows = self.output_sizes[k]
+            if scale.numel() not in (1, rows):
+                raise CheckpointError(f"{type(self).__name__}: weight_scale has {scale.numel()} values for {rows} rows")
+            scale = scale.expand(rows)
+            if self.splits_rows:
+                copy_checked(param.data, scale, "RowParallelLinear weight_scale")
+                return
+            width = self.output_partition_sizes[k]
+            index, _ = self.shard_of(k)
+            copy_checked(param.data.narrow(0, sum(self.output_partition_sizes[:k]), width),
+                         scale.narrow(0, index * width, width), f"{type(self).__name__} weight_scale {shard_id!r}")
+            return
+        # a packed checkpoint tensor's scale (one value for it all, or one per row): slice by slice
+        parts = [scale] * len(self.output_sizes) if scale.numel() == 1 else \
+            scale.split(self.output_sizes) if scale.numel() == sum(self.output_sizes) else None
+        if parts is None:
+            raise CheckpointError(f"{type(self).__name__}: weight_scale has {scale.numel()} values for "
+                                  f"{sum(self.output_sizes)} rows")
+        for k, part in enumerate(parts):
+            self.scale_loader(param, part, k)
 
     @property
     def forward_bias(self) -> torch.Tensor | None:
@@ -234,6 +275,14 @@ class RowParallelLinear(LinearBase):
                                       f"fit [{self.output_sizes[0]}, {self.input_size}]")
             loaded_weight = loaded_weight.narrow(1, self.tp_rank * width, width)
         copy_checked(param.data, loaded_weight, "RowParallelLinear")
+
+
+def _largest_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    # a static input scale: one for the layer, the largest of the tensors packed into it (q, k and v read the
+    # same input, so one scale must cover all three)
+    if loaded.numel() != 1:
+        raise CheckpointError(f"input_scale must be one value per tensor, got shape {tuple(loaded.shape)}")
+    param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1).to(param.device)))
 
 
 def forward_pending(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, PendingExpand | None]:

@@ -14,6 +14,7 @@ from replicas.models.granite import GraniteForCausalLM
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.phi3 import Phi3ForCausalLM
 from replicas.parallel import ParallelContext
+from replicas.quantization import fp8_layers
 
 MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
                   "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
@@ -34,6 +35,9 @@ def load_model(path: str | Path, config: ModelConfig | None = None, ctx: Paralle
     config = config or ModelConfig.from_pretrained(path, device=device)
     with torch.device(device):
         model = model_class(config)(config, ctx, attn_backend)
+    if config.fp8_checkpoint is not None:  # FP8 weights and their scales, loaded as they are
+        for layer in fp8_layers(model, config.dtype, torch.device(device)):
+            layer.expect_fp8(config.fp8_checkpoint.static_input)
     model.load_weights(iterate_weights(path))
     return model.eval()
 

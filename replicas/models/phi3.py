@@ -39,6 +39,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
                 continue
             names, rows = zip(*fused[packed])
+            if name.endswith("_scale") and tensor.numel() == 1:  # an FP8 scale for the fused tensor: each piece's
+                for sub in names:
+                    yield name.replace(packed, sub), tensor
+                continue
             if tensor.shape[0] != sum(rows):
                 raise CheckpointError(f"{name}: {tensor.shape[0]} rows, expected {' + '.join(map(str, rows))} "
                                       f"({', '.join(n.strip('.') for n in names)}) from config.json")

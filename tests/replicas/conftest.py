@@ -172,11 +172,12 @@ def write_peft_adapters(model_dir: Path, root: Path, first_seed: int, configs: d
 
 def generate_against_peft(model_dir: Path, adapters: dict[str, Path], prompts: list[str],
                           names: list[str | None], steps: int, tp: int = 1, fully_sharded: bool = False,
-                          patch: Callable | None = None, tolerance: float | None = None, **engine: Any) -> list:
+                          patch: Callable | None = None, tolerance: float | None = None,
+                          reference_dir: Path | None = None, **engine: Any) -> list:
     """The engine's greedy outputs (LoRA at rank up to 8, two slots; TP over the GPUs where there are tp of
     them, else gloo) for prompts under names (None: the base model), each asserted equal to transformers +
     PEFT's tokens, logprobs within 2e-3 (2e-2 on a GPU, whose float32 dots run in TF32) or tolerance. engine:
-    more LLM arguments; patch: peft_greedy_reference's."""
+    more LLM arguments; patch: peft_greedy_reference's, on the checkpoint at reference_dir (default model_dir)."""
     from lora_core.request import LoRARequest
     from replicas.llm import LLM
     from replicas.sampling_params import SamplingParams
@@ -190,7 +191,7 @@ def generate_against_peft(model_dir: Path, adapters: dict[str, Path], prompts: l
         outputs = llm.generate(prompts, params, [requests[n] if n else None for n in names])
     finally:
         llm.shutdown()
-    want = peft_greedy_reference(model_dir, adapters, prompts, names, steps, patch)
+    want = peft_greedy_reference(reference_dir or model_dir, adapters, prompts, names, steps, patch)
     for out, (tokens, logprobs), name in zip(outputs, want, names):
         got = out.outputs[0]
         assert out.error is None and got.token_ids == tokens, f"{name}: {got.token_ids} != {tokens}"

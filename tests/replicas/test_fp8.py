@@ -67,6 +67,18 @@ def test_the_triton_quantizer_equals_the_reference(dtype):
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def _fp8_linears(forward, per_tensor: bool = False):
+    """A peft_greedy_reference patch: every nn.Linear but the LM head runs forward(name, FP8 weight, its row
+    scales, bias) (one scale for the whole tensor where per_tensor, else one per row)."""
+    def patch(model):
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
+                w = module.weight.data
+                wq, ws = quantize_rows(w, row_scales(w.reshape(1, -1)).expand(w.shape[0]) if per_tensor else None)
+                module.forward = forward(name, wq, ws, module.bias)
+    return patch
+
+
 def _row_parallel_reference(x, wq, ws, bias, tp: int):
     """A row-parallel layer at TP tp: each rank quantizes its part of each input row on its own (the weights'
     scales are the whole rows'), and the partial products are summed."""
@@ -87,18 +99,14 @@ def test_generation_with_adapters_matches_hf_peft_over_the_same_fp8_products(dem
     adapters = write_peft_adapters(demo.model_dir, tmp_path, 70,
                                    {"all-r8": dict(r=8, lora_alpha=16, target_modules=EVERY_PROJECTION)})
 
-    def fp8_linears(model):
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
-                wq, ws = quantize_rows(module.weight.data)
-                if name.endswith(("o_proj", "down_proj")):
-                    module.forward = lambda x, wq=wq, ws=ws, b=module.bias: _row_parallel_reference(x, wq, ws, b, tp)
-                else:
-                    module.forward = lambda x, wq=wq, ws=ws, b=module.bias: fp8_linear_reference(x, wq, ws, b)
+    def forward(name, wq, ws, bias):
+        if name.endswith(("o_proj", "down_proj")):
+            return lambda x: _row_parallel_reference(x, wq, ws, bias, tp)
+        return lambda x: fp8_linear_reference(x, wq, ws, bias)
 
     prompts = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT"]
     generate_against_peft(demo.model_dir, adapters, prompts, [None, "all-r8", "all-r8"], 8, tp, fully_sharded,
-                          patch=fp8_linears, tolerance=None if tp == 1 else 0.1, quantization="fp8")
+                          patch=_fp8_linears(forward), tolerance=None if tp == 1 else 0.1, quantization="fp8")
 
 
 @pytest.mark.gpu
@@ -159,3 +167,140 @@ def test_merging_and_the_stacked_path_are_off_over_fp8_weights():
         merge_after_steps(8, config, cuda, 1, quantized=True)
     with pytest.raises(LoRAConfigError, match="quantization"):
         stacked_max_tokens(256, config, cuda, 1, torch.bfloat16, quantized=True)
+
+
+# ---- checkpoints already in FP8 (replicas/fp8_checkpoint.py) ------------------------------------------------
+
+def _compressed(weights: dict, inputs: dict | None, **extra) -> dict:
+    group = {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "symmetric": True, **weights},
+             "input_activations": None if inputs is None else {"type": "float", "num_bits": 8, **inputs},
+             "output_activations": None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group},
+            "ignore": ["lm_head"], **extra}
+
+
+CHANNEL_DYNAMIC = _compressed({"strategy": "channel", "dynamic": False}, {"strategy": "token", "dynamic": True})
+TENSOR_STATIC = _compressed({"strategy": "tensor", "dynamic": False}, {"strategy": "tensor", "dynamic": False})
+
+
+@pytest.mark.parametrize("config,static", [(CHANNEL_DYNAMIC, False), (TENSOR_STATIC, True),
+                                           ({"quant_method": "fp8", "activation_scheme": "static"}, True),
+                                           ({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                             "ignored_layers": ["lm_head"]}, False)])
+def test_fp8_checkpoint_configs_are_read(config, static):
+    from replicas.fp8_checkpoint import parse_fp8_checkpoint
+
+    assert parse_fp8_checkpoint({"quantization_config": config}, "m").static_input is static
+    assert parse_fp8_checkpoint({}, "m") is None
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"quant_method": "awq"}, "quant_method 'awq'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    (_compressed({"strategy": "channel"}, None), "weight-only"),
+    (_compressed({"strategy": "group", "group_size": 128}, {"strategy": "token", "dynamic": True}), "strategy"),
+    (_compressed({"strategy": "channel", "type": "int"}, {"strategy": "token", "dynamic": True}), "8-bit float"),
+    (_compressed({"strategy": "channel"}, {"strategy": "token", "dynamic": False}), "input_activations"),
+    (_compressed({"strategy": "channel"}, {"strategy": "token", "dynamic": True},
+                 ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "unquantized"),
+    (dict(CHANNEL_DYNAMIC, format="pack-quantized"), "format"),
+])
+def test_other_quantization_configs_name_what_is_unsupported(config, match):
+    from replicas.errors import ModelConfigError
+    from replicas.fp8_checkpoint import parse_fp8_checkpoint
+
+    with pytest.raises(ModelConfigError, match=match):
+        parse_fp8_checkpoint({"quantization_config": config}, "m")
+
+
+def _write_fp8_checkpoint(source, out, config: dict, per_tensor: bool, input_scales: dict | None = None):
+    """source's checkpoint with every decoder linear weight in FP8 (scales per row, or one per tensor) and,
+    with input_scales (projection -> value), a static input scale for each."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        projection = name.split(".")[-2]
+        if name.endswith("proj.weight") and ".layers." in name:
+            scale = row_scales(tensor.reshape(1, -1)).expand(tensor.shape[0]) if per_tensor else None
+            q, scales = quantize_rows(tensor, scale)
+            tensors[name] = q
+            tensors[name + "_scale"] = scales[:1].clone() if per_tensor else scales.unsqueeze(1)
+            if input_scales is not None:
+                tensors[name[: -len("weight")] + "input_scale"] = torch.tensor([input_scales[projection]])
+        else:
+            tensors[name] = tensor
+    save_file(tensors, out / "model.safetensors")
+    raw = json.loads((source / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, out / name)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_per_channel_checkpoint_serves_as_quantization_fp8_over_its_source(demo, tmp_path, tp):
+    """Per-channel weights ([out, 1] scales) with dynamic inputs, read from the checkpoint (at TP 2 each rank
+    cuts its rows of q, k, v, gate and up and their scales): the same tokens and logprobs as the source
+    checkpoint quantized at load, adapters included."""
+    from lora_core.request import LoRARequest
+    from replicas.llm import LLM
+    from replicas.sampling_params import SamplingParams
+
+    fp8_dir = _write_fp8_checkpoint(demo.model_dir, tmp_path / "fp8", CHANNEL_DYNAMIC, per_tensor=False)
+    name = sorted(demo.adapters)[0]
+    lora = [None, LoRARequest(name, 1, str(demo.adapters[name]))]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    outs = []
+    for model, kw in ((fp8_dir, {}), (demo.model_dir, {"quantization": "fp8"})):
+        llm = LLM(str(model), enable_lora=True, max_lora_rank=32, dtype="float32", device="cpu",
+                  tensor_parallel_size=tp, **kw)
+        outs.append(llm.generate(["The quick brown fox", "SELECT"], params, lora))
+        llm.shutdown()
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_per_tensor_static_checkpoint_matches_hf_peft_over_the_same_products(demo, tmp_path):
+    """One scale per weight tensor and a static input scale per projection (q, k and v apart, so the packed
+    layer must take their largest, as must gate and up): the engine with adapters against transformers + PEFT
+    on the source checkpoint whose linear layers compute those FP8 products."""
+    inputs = {"q_proj": 0.02, "k_proj": 0.03, "v_proj": 0.025, "o_proj": 0.01, "gate_proj": 0.04, "up_proj": 0.03,
+              "down_proj": 0.05}
+    packed = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
+    packed |= {"k_proj": packed["q_proj"], "v_proj": packed["q_proj"], "up_proj": packed["gate_proj"]}
+    fp8_dir = _write_fp8_checkpoint(demo.model_dir, tmp_path / "fp8", TENSOR_STATIC, per_tensor=True,
+                                    input_scales=inputs)
+    adapters = write_peft_adapters(demo.model_dir, tmp_path, 80,
+                                   {"all-r8": dict(r=8, lora_alpha=16, target_modules=EVERY_PROJECTION)})
+
+    def forward(name, wq, ws, bias):
+        projection = name.rsplit(".", 1)[-1]
+        static = torch.tensor([max(inputs[p] for p in packed.get(projection, (projection,)))])
+        return lambda x: fp8_linear_reference(x, wq, ws, bias, static)
+
+    prompts = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT"]
+    generate_against_peft(fp8_dir, adapters, prompts, [None, "all-r8", "all-r8"], 8,
+                          patch=_fp8_linears(forward, per_tensor=True), reference_dir=demo.model_dir)
+
+
+def test_a_phi3_checkpoint_with_fused_fp8_tensors_loads_their_scales(demo, tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused: a per-tensor scale (and static input scale) then covers all of
+    a fused tensor, and the pieces the loader cuts share it. The engine serves it as transformers' Phi-3
+    computes those FP8 products."""
+    from tests.replicas.conftest import over_demo_tokenizer
+
+    source = over_demo_tokenizer(demo, tmp_path / "phi3", "phi3")
+    inputs = {"qkv_proj": 0.02, "o_proj": 0.01, "gate_up_proj": 0.04, "down_proj": 0.05}
+    fp8_dir = _write_fp8_checkpoint(source, tmp_path / "fp8", TENSOR_STATIC, per_tensor=True, input_scales=inputs)
+
+    def forward(name, wq, ws, bias):
+        static = torch.tensor([inputs[name.rsplit(".", 1)[-1]]])
+        return lambda x: fp8_linear_reference(x, wq, ws, bias, static)
+
+    generate_against_peft(fp8_dir, {}, ["The quick brown fox", "SELECT"], [None, None], 6,
+                          patch=_fp8_linears(forward, per_tensor=True), reference_dir=source)
