@@ -76,7 +76,7 @@ class LLMEngine:
                                   lora_compact_slots=args.lora_compact_slots,
                                   lora_pending_max_tokens=args.lora_pending_max_tokens,
                                   lora_pending_min_adapters=args.lora_pending_min_adapters,
-                                  quantization=args.quantization)
+                                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
         self.executor = make_executor(runner_cfg, args.tensor_parallel_size, args.distributed_executor_backend)
         # GPU: compile the kernels, capture the decode and piecewise graphs
         self.num_cuda_graphs = self.executor.call("warm_up")

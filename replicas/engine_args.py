@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from lora_core.config import LoRAConfig
+from replicas.attention import kv_cache_dtype
 from replicas.quantization import check_method
 from replicas.scheduler import POLICIES
 
@@ -18,6 +21,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     dtype: str = "auto"
     quantization: str | None = None  # "fp8": linear layers' weights in FP8, per-token FP8 inputs (quantization.py)
+    kv_cache_dtype: str = "auto"  # "fp8": K and V in float8 e4m3, half the cache's bytes (replicas/attention.py)
     device: str | None = None  # default: cuda when available
     enable_lora: bool = False
     max_loras: int = 4
@@ -118,6 +122,7 @@ class EngineArgs:
         if self.lora_pending_min_adapters < 1:
             raise ValueError(f"lora_pending_min_adapters must be >= 1, got {self.lora_pending_min_adapters}")
         check_method(self.quantization)
+        kv_cache_dtype(self.kv_cache_dtype, torch.bfloat16)  # a bad name raises here, before anything starts
         if self.lora_merge_steps and not self.enable_lora:
             raise ValueError("lora_merge_steps merges adapters: it needs enable_lora=True")
 

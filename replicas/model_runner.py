@@ -23,7 +23,7 @@ from lora_core.request import LoRARequest
 import torch.distributed as dist
 
 from replicas.adapter_loads import AdapterLoads
-from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes
+from replicas.attention import AttentionMetadata, allocate_kv_caches, kv_cache_block_bytes, kv_cache_dtype
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.lora_merge import LoRAMerger
 from replicas.lora_setup import build_lora
@@ -90,6 +90,7 @@ class RunnerConfig:
     lora_pending_max_tokens: int | None = None  # stacked steps up to this many rows fuse gate_up's expand into silu
     lora_pending_min_adapters: int = 5  # ... when their adapter bound is at least this
     quantization: str | None = None  # "fp8": the linear layers' weights in FP8 (replicas/quantization.py)
+    kv_cache_dtype: str = "auto"  # "fp8": K and V stored in float8 e4m3 (replicas/attention.py)
 
 
 class ModelRunner:
@@ -110,6 +111,7 @@ class ModelRunner:
         # FP8 weights: a checkpoint's as loaded, or quantized here (before LoRA wraps the layers, and before the
         # KV budget is measured)
         self.quantized = cfg.quantization is not None or self.model_config.fp8_checkpoint is not None
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.model_config.dtype)
         if cfg.quantization is not None and self.model_config.fp8_checkpoint is None:
             quantize_model(self.model, cfg.quantization, self.model_config.dtype, self.device)
         mc = self.model_config
@@ -124,7 +126,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         # One block more than the block manager hands out: padding rows of graph steps write there.
         self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks + 1, cfg.block_size,
-                                            mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, mc.dtype,
+                                            mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, self.kv_dtype,
                                             self.device)
         graphs = self.device.type == "cuda" and not cfg.enforce_eager
         self.decode_graphs = self.build_decode_graphs(capture=True) if graphs else None
@@ -140,7 +142,7 @@ class ModelRunner:
         if cfg.num_blocks is not None:
             return cfg.num_blocks
         per_block = kv_cache_block_bytes(mc.num_hidden_layers, cfg.block_size,
-                                         mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, mc.dtype)
+                                         mc.num_local_kv_heads(self.ctx.tp_size), mc.head_dim, self.kv_dtype)
         budget = cfg.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             gc.collect()  # engines dropped earlier in this process give their memory back first

@@ -35,6 +35,7 @@ from triton.language.extra import libdevice
 
 from lora_core.punica.pending import PendingExpand
 from lora_core.punica.row_expand import row_expand, row_slot
+from replicas.attention import FP8_KV_MAX
 from replicas.layers.row_scale import RowScale
 
 _MAX_NORM_BLOCK = 8192  # a row up to this wide stays in registers; wider rows are read twice
@@ -290,7 +291,7 @@ def silu_and_mul(x: torch.Tensor, lora: PendingExpand | None = None, row_scale: 
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads,
                      sk_t, sk_h, sv_t, sv_h, sc_b, sc_s, sc_h,
                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+                     BLOCK_H: tl.constexpr, SATURATE: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -301,6 +302,9 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads
     dst = (slot // BLOCK_SIZE) * sc_b + (slot % BLOCK_SIZE) * sc_s + heads[:, None] * sc_h + offs_d[None, :]
     k = tl.load(k_ptr + tok * sk_t + heads[:, None] * sk_h + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * sv_t + heads[:, None] * sv_h + offs_d[None, :], mask=mask)
+    if SATURATE:  # an FP8 cache: +-448 at most, as replicas.attention.to_cache_dtype stores them
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -SATURATE), SATURATE)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -SATURATE), SATURATE)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -322,4 +326,5 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k, v, k_cache, v_cache, slot_mapping, num_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, num_warps=4)
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        SATURATE=FP8_KV_MAX if k_cache.dtype == torch.float8_e4m3fn else 0.0, num_warps=4)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.attention import store_in_cache
 from replicas.kernels import fused
 
 
@@ -100,8 +101,9 @@ def _paged_attention_kernel(
         pos_k = start + offs_n
         k_mask = pos_k < seq_len
         kv_off = block * sk_b + offs_n[:, None] * sk_s + kv_head * sk_h + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+        # an FP8 cache's K and V in q's dtype (a no-op for a cache in it)
+        k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         allowed = (pos_k[None, :] <= pos_q[:, None]) & k_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (pos_k[None, :] > pos_q[:, None] - WINDOW)
@@ -153,8 +155,8 @@ def _paged_decode_kernel(
         k_mask = pos_k < seq_len
         block = tl.load(block_tables_ptr + seq * sbt_s + pos_k // BLOCK_SIZE, mask=k_mask, other=0).to(tl.int64)
         kv_off = block[:, None] * sk_b + (pos_k % BLOCK_SIZE)[:, None] * sk_s + kv_head * sk_h + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off, mask=k_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         allowed = k_mask[None, :]
         if WINDOW > 0:
             allowed = allowed & (pos_k[None, :] > pos_q - WINDOW)
@@ -226,7 +228,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if fused.enabled():
         fused.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        store_in_cache(k_cache, meta.slot_mapping, k)
+        store_in_cache(v_cache, meta.slot_mapping, v)
     return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                            meta.max_query_len, sliding_window=sliding_window, softcap=softcap)

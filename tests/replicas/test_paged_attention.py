@@ -34,7 +34,8 @@ def _dense(q, k, v, context_len, scale, window=None, softcap=None):
 # softcap 0.5 caps the scores hard (they spread over about +-1 here): Gemma 2's attention soft cap
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (20, 0.5)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (4, 4, 64), (8, 1, 48)])
-def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype, window, softcap):
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["cache-in-dtype", "fp8-cache"])
+def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype, window, softcap, fp8_cache):
     g = torch.Generator().manual_seed(heads * 7 + head_dim)
     block_size, num_blocks = 16, 64
     # (context already cached, new tokens): decode, prefill with and without context, long decode
@@ -52,16 +53,17 @@ def test_mixed_batch_matches_dense(heads, kv_heads, head_dim, dtype, window, sof
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], heads, head_dim, generator=g)
     scale = head_dim ** -0.5
+    cache = torch.float8_e4m3fn if fp8_cache else dtype  # an FP8 cache is read in q's dtype
     out = paged_attention(
-        q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype),
+        q.to(DEVICE, dtype), k_cache.to(DEVICE, cache), v_cache.to(DEVICE, cache),
         torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=DEVICE),
         tables.to(DEVICE), scale, max(n for _, n in seqs), sliding_window=window, softcap=softcap).float().cpu()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for i, (c, n) in enumerate(seqs):
         blocks = tables[i, : math.ceil((c + n) / block_size)].long()
-        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(dtype).float()
-        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(dtype).float()
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(cache).float()
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[: c + n].to(cache).float()
         want = _dense(q[starts[i]: starts[i + 1]].to(dtype).float(), k, v, c, scale, window, softcap)
         got = out[starts[i]: starts[i + 1]]
         assert (got - want).abs().max().item() < tol * max(1.0, want.abs().max().item()), f"sequence {i}"
@@ -82,7 +84,8 @@ def test_bad_shapes_are_refused():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.float32])
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 0.5)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (8, 1, 48), (32, 8, 128)])
-def test_pure_decode_step_matches_dense(heads, kv_heads, head_dim, dtype, window, softcap):
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["cache-in-dtype", "fp8-cache"])
+def test_pure_decode_step_matches_dense(heads, kv_heads, head_dim, dtype, window, softcap, fp8_cache):
     """One token per sequence takes the GQA-grouped decode kernel: contexts of 1 to 150 tokens."""
     g = torch.Generator().manual_seed(heads + head_dim)
     block_size, num_blocks = 16, 64
@@ -97,16 +100,17 @@ def test_pure_decode_step_matches_dense(heads, kv_heads, head_dim, dtype, window
             tables[i, j] = free.pop()
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     scale = head_dim ** -0.5
+    cache = torch.float8_e4m3fn if fp8_cache else dtype  # an FP8 cache is read in q's dtype
     out = paged_attention(
-        q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype),
+        q.to(DEVICE, dtype), k_cache.to(DEVICE, cache), v_cache.to(DEVICE, cache),
         torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE),
         torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables.to(DEVICE), scale, 1,
         sliding_window=window, softcap=softcap).float().cpu()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for i, n in enumerate(lens):
         blocks = tables[i, : math.ceil(n / block_size)].long()
-        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].to(dtype).float()
-        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].to(dtype).float()
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].to(cache).float()
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].to(cache).float()
         want = _dense(q[i : i + 1].to(dtype).float(), k, v, n - 1, scale, window, softcap)
         torch.testing.assert_close(out[i : i + 1], want, atol=tol, rtol=tol)
 
