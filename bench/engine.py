@@ -134,9 +134,15 @@ def _value(text: str):
     return {"True": True, "False": False, "None": None}.get(text, text)
 
 
-def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: int) -> dict:
+def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: int,
+                overrides: dict | None = None) -> dict:
+    """The row's ratios to its base and its bytes' bound. overrides: its engine's --variant fields (FP8 weights
+    or an FP8 KV cache read one byte an element, LoRA weights stay in esize)."""
+    overrides = overrides or {}
+    weights = 1 if overrides.get("quantization") == "fp8" else esize
+    kv = 1 if str(overrides.get("kv_cache_dtype", "")).startswith("fp8") else esize
     if row["rank"] == 0:
-        read = weight_bytes(shape, esize) + row["kv_tokens"] * kv_bytes_per_token(shape, esize)
+        read = weight_bytes(shape, weights, esize) + row["kv_tokens"] * kv_bytes_per_token(shape, kv)
         extra = row["decode_ms"]
     else:
         read = row["adapters"] * adapter_bytes(shape, row["rank"], esize)
@@ -347,7 +353,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "decode_ms" in row:
             # LoRA rows against the base row of their own engine settings; base twins against the default
             base = bases[""] if row["rank"] == 0 else bases.get(variant, bases[""])
-            row = add_physics(row, base, shape, esize, bw, a.tp)
+            row = add_physics(row, base, shape, esize, bw, a.tp, a.variants.get(variant))
         row = dict(row, device=name, copy_tb_s=bw / 1e12)
         rows.append(row)
         print(("\n" + header() + "\n" if len(rows) == 1 else "") + fmt(row)

@@ -99,10 +99,11 @@ def adapter_bytes(shape: dict, rank: int, esize: int) -> int:
     return esize * rank * shape["num_hidden_layers"] * sum(i + o for i, o in proj_dims(shape).values())
 
 
-def weight_bytes(shape: dict, esize: int) -> int:
-    """Weights a decode step reads: every layer's projections and the LM head (embedding rows are negligible)."""
+def weight_bytes(shape: dict, esize: int, head_esize: int | None = None) -> int:
+    """Weights a decode step reads: every layer's projections (esize bytes an element) and the LM head
+    (head_esize, default esize: FP8 projections keep a bfloat16 head); embedding rows are negligible."""
     layers = shape["num_hidden_layers"] * sum(i * o for i, o in proj_dims(shape).values())
-    return esize * (layers + shape["vocab_size"] * shape["hidden_size"])
+    return esize * layers + (head_esize or esize) * shape["vocab_size"] * shape["hidden_size"]
 
 
 def kv_bytes_per_token(shape: dict, esize: int) -> int:
