@@ -234,6 +234,8 @@ class RowParallelLinear(LinearBase):
     then add the bias once; forward = reduce(base_forward(x)).
     """
 
+    splits_rows = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, ctx: ParallelContext | None = None,
                  params_dtype: torch.dtype | None = None, reduce_results: bool = True) -> None:
         super().__init__(input_size, (output_size,), ctx, params_dtype)
@@ -242,8 +244,6 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
         self.weight = self._param(output_size, self.input_size_per_partition)
         self.bias = self._param(output_size) if bias else None
-
-    splits_rows = True
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x, None)
