@@ -13,6 +13,7 @@ by device and by host time.
     python bench/profile_step.py --rank 16 --steps 40 --adapters 10 --fused-max-adapters 16   # one launch per site
     python bench/profile_step.py --rank 16 --steps 60 --tp 2 --warm-steps 0    # a TP engine's first steps (rank 0)
     python bench/profile_step.py --rank 16 --set lora_merge_steps=0 --set lora_load_switch_interval=0
+    python bench/profile_step.py --model gemma3-1b --rank 16 --steps 60 --adapters 100   # a small model's shape
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.engine import parse_variant  # noqa: E402
-from bench.engine_workload import LLAMA3_8B, TINY, AdapterPools, make_requests, write_model_dir  # noqa: E402
+from bench.engine import MODELS, parse_variant  # noqa: E402
+from bench.engine_workload import TINY, AdapterPools, make_requests, write_model_dir  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 from replicas.sampling_params import SamplingParams  # noqa: E402
 
@@ -46,6 +47,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b", help="the model's shape (without --tiny)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--adapters", type=int, default=1,
                    help="adapters the requests cycle through (1: one for all; e.g. 200: distinct, with loads)")
@@ -63,7 +65,7 @@ def main(argv=None) -> None:
     p.add_argument("--trace", default=None, help="also write the profile as a gzipped Chrome trace here")
     a = p.parse_args(argv)
     overrides = parse_variant("set:" + ",".join(a.set))[1] if a.set else {}
-    shape = TINY if a.tiny else LLAMA3_8B
+    shape = TINY if a.tiny else MODELS[a.model]
     work = Path(tempfile.mkdtemp())
     model_dir = write_model_dir(work / "model", shape)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
