@@ -10,7 +10,7 @@ loads it, and each GEMM's input as it runs:
   tensor-parallel size);
 - inputs per token, on each rank's part of the row: x_q = round_fp8(x / s_t), s_t = max |x[t, :]| / 448;
 - y = (x_q @ w_q^T) * s_t * s_n in the model's dtype: torch._scaled_mm on CUDA (one cuBLASLt FP8 GEMM with
-  both scales, Hopper and later), the same products in float32 elsewhere (fp8_linear_reference: the CPU
+  both scales; Hopper and later), the same products in float32 elsewhere (fp8_linear_reference: the CPU
   path, and the definition the GPU is checked against).
 
 What stays in the model's dtype: embeddings, the LM head, norms, and every LoRA (the adapters' shrink and
@@ -52,9 +52,10 @@ def fp8_layers(model: torch.nn.Module, dtype: torch.dtype, device: torch.device)
     if device.type == "cuda" and dtype == torch.float16:
         raise ValueError("FP8 weights run bfloat16 models on CUDA (the FP8 GEMM's row-wise scales write "
                          "bfloat16), not float16")
-    if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"FP8 weights need a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, "
-                         f"Hopper, Blackwell), not {torch.cuda.get_device_name(device)}")
+    # torch._scaled_mm's row-wise scales run on Hopper and later (Ada's FP8 GEMM takes one scale a tensor)
+    if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (9, 0):
+        raise ValueError(f"FP8 weights need a GPU of compute capability 9.0 or later (Hopper, Blackwell) for "
+                         f"the row-wise FP8 GEMM, not {torch.cuda.get_device_name(device)}")
     layers = [m for m in model.modules() if hasattr(m, "quantize_fp8")]
     if device.type == "cuda" and dtype == torch.bfloat16:
         for layer in layers:  # cuBLASLt's FP8 GEMM takes this rank's [N, K] weight only in steps of 16
