@@ -44,7 +44,7 @@ from replicas.request_inputs import (bad_words_ids, check_token_ids, checked_pri
 from replicas.request_state import RequestState
 from replicas.sampled_step import SampledStep, step_input
 from replicas.sampler import Sampler
-from replicas.sampling_params import SamplingParams
+from replicas.sampling_params import RequestOutputKind, SamplingParams
 from replicas.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from replicas.sequence import PENDING_TOKEN, Sequence
 from replicas.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -181,7 +181,7 @@ class LLMEngine:
         # Past the first child's adapter start the others pass every check it passed: whole or not at all.
         first = self._add_sequence(*children[0], text, ids, lora_request, priority, grammar)
         if params.n > 1:
-            self._fanout.add(request_id, params.n)
+            self._fanout.add(request_id, params.n, params.output_kind is RequestOutputKind.FINAL_ONLY)
         # The others wait for the first to compute the prompt, then share its full blocks (scheduler.py).
         bm = self.scheduler.block_manager
         leader = first if bm.enable_prefix_caching and len(ids) > bm.block_size else None
@@ -349,6 +349,8 @@ class LLMEngine:
             state = self._requests.get(request_id)
             if seq.is_finished and (state is None or state.seq is not seq):
                 touched.pop(request_id)
+            elif not seq.is_finished and seq.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+                touched.pop(request_id)  # built for nothing: its caller takes the last output only
         results = [self._requests[seq.request_id].output() for seq in touched.values()]
         for seq in touched.values():
             if seq.is_finished:

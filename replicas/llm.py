@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Sequence
 
@@ -17,7 +18,7 @@ from replicas.chat_template import chat_prompt_ids
 from replicas.engine import EngineArgs, LLMEngine
 from replicas.errors import EngineError
 from replicas.outputs import CompletionOutput, RequestOutput
-from replicas.sampling_params import SamplingParams
+from replicas.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -44,7 +45,9 @@ class LLM:
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
-                self.engine.add_request(request_id, prompt, param or SamplingParams(), lora, prio or 0)
+                # only the last output is kept: the steps need not build the others (as vLLM's LLM asks)
+                param = dataclasses.replace(param or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(request_id, prompt, param, lora, prio or 0)
             except (EngineError, ValueError) as exc:
                 results[request_id] = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [],
                                                     [CompletionOutput(0, "", [], None, "error")], True,

@@ -41,6 +41,7 @@ class _Parent:
     latest: dict[int, CompletionOutput] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     first: RequestOutput | None = None  # a child's output: the prompt, its ids and the adapter's name
+    final_only: bool = False  # output_kind FINAL_ONLY: the parent reports once, when its last child finishes
 
     def absorb(self, index: int, out: RequestOutput) -> None:
         self.latest[index] = dataclasses.replace(out.outputs[0], index=index)
@@ -65,9 +66,9 @@ class FanOut:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._parents
 
-    def add(self, request_id: str, n: int) -> None:
+    def add(self, request_id: str, n: int, final_only: bool = False) -> None:
         """A parent of n children, child_id(request_id, i): the engine adds them."""
-        parent = _Parent(request_id, n)
+        parent = _Parent(request_id, n, final_only=final_only)
         self._parents[request_id] = parent
         for i in range(n):
             self._children[child_id(request_id, i)] = (parent, i)
@@ -103,7 +104,8 @@ class FanOut:
             out = parent.output()
             if out.finished:
                 del self._parents[parent.request_id]
-            merged.append(out)
+            if out.finished or not parent.final_only:
+                merged.append(out)
         return merged
 
     def _fail(self, parent: _Parent, abort: Callable[[str], object]) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from replicas.grammar import SequenceGrammar
 from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.sampling_params import RequestOutputKind
 from replicas.sequence import Sequence
 from replicas.tokenizer import IncrementalDetokenizer
 
@@ -27,6 +28,9 @@ class RequestState:
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prefill goes (prompt_logprobs.py)
     grammar: SequenceGrammar | None = None  # SamplingParams.structured_outputs (replicas/grammar.py)
+    # DELTA outputs: how many tokens and characters of text earlier outputs carried
+    sent_tokens: int = 0
+    sent_text: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.seq.prompt_token_ids)
@@ -34,12 +38,17 @@ class RequestState:
             self.prompt_logprobs = [None]
 
     def output(self) -> RequestOutput:
-        """The request's output so far (finished once its sequence is)."""
+        """The request's output so far (finished once its sequence is); with output_kind DELTA, what is new
+        since the previous one (the prompt's fields in every one)."""
         seq = self.seq
         if seq.is_finished and not self.detok.stopped:
             self.detok.finish()
-        logprobs = list(self.logprobs) if self.logprobs is not None else None
-        completion = CompletionOutput(0, self.detok.text, list(seq.output_token_ids), logprobs,
+        start, text_start = 0, 0
+        if seq.sampling_params.output_kind is RequestOutputKind.DELTA:
+            start, text_start = self.sent_tokens, self.sent_text
+            self.sent_tokens, self.sent_text = seq.num_output_tokens, len(self.detok.text)
+        logprobs = self.logprobs[start:] if self.logprobs is not None else None
+        completion = CompletionOutput(0, self.detok.text[text_start:], seq.output_token_ids[start:], logprobs,
                                       seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.request_id, self.prompt, self.prompt_token_ids, [completion],
                              seq.is_finished, self.lora_name, prompt_logprobs=self.prompt_logprobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from replicas.errors import InvalidRequestError
@@ -10,6 +11,17 @@ from replicas.structured_outputs import StructuredOutputsParams
 MAX_LOGPROBS = 20
 MAX_N = 128  # completions per request (OpenAI's limit); each is a sequence of its own (parallel_sampling.py)
 MAX_BIAS = 100  # logit_bias's bound, OpenAI's: -100 bans a token, 100 all but forces it
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what each RequestOutput of a request holds. CUMULATIVE: everything so far, at every step.
+    DELTA: the tokens, text and logprobs new since the request's previous output (a streaming server sends
+    them as they are, and nothing is copied per step but the new part). FINAL_ONLY: one output, when the
+    request finishes (LLM.generate asks for it: the steps build no output it would throw away)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(v: object) -> bool:
@@ -50,8 +62,9 @@ class SamplingParams:
     truncate_prompt_tokens=k keeps the prompt's last k tokens. structured_outputs (vLLM's
     StructuredOutputsParams, or a dict of its fields) constrains the output to a JSON Schema, any JSON object, a
     regex, a choice or an EBNF grammar (replicas/grammar.py). bad_words (vLLM's) are never generated: a word's
-    last token is banned wherever the output ends with the tokens before it. Invalid values raise InvalidRequestError naming
-    every field at fault.
+    last token is banned wherever the output ends with the tokens before it. output_kind (vLLM's
+    RequestOutputKind, or its int) chooses cumulative, delta or final-only outputs. Invalid values raise
+    InvalidRequestError naming every field at fault.
     """
 
     n: int = 1
@@ -77,6 +90,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
     bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -152,6 +166,12 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         except InvalidRequestError as exc:
             problems += exc.problems
+        if _is_int(self.output_kind) and self.output_kind in tuple(RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
+            if self.output_kind is RequestOutputKind.DELTA and _is_int(self.n) and self.n > 1:
+                bad("output_kind", "CUMULATIVE or FINAL_ONLY with n > 1 (DELTA outputs take one completion)")
+        else:
+            bad("output_kind", "a RequestOutputKind (0 CUMULATIVE, 1 DELTA, 2 FINAL_ONLY)")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "a bool")
