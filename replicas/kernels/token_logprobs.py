@@ -48,10 +48,11 @@ def _partials_kernel(logits_ptr, token_ptr, part_ptr, vocab, stride, per_split, 
     tl.store(out + 2, tl.sum(lane_above, axis=0).to(tl.float32))
 
 
-# k varies by request: left unspecialized (as an int Triton would compile k = 1 and k % 16 == 0 apart), with
-# BLOCK_K the one width that covers every k a request may ask for, the kernel compiles once (at warm-up)
-@triton.jit(do_not_specialize=["k"])
-def _combine_kernel(logits_ptr, token_ptr, part_ptr, top_ptr, ids_ptr, out_ptr, stride, splits, k,
+# k (and the top-k tensor's width) varies by request: left unspecialized (as ints Triton would compile 1 and
+# multiples of 16 apart), with BLOCK_K the one width that covers every k a request may ask for, the kernel
+# compiles once (at warm-up)
+@triton.jit(do_not_specialize=["k", "top_stride"])
+def _combine_kernel(logits_ptr, token_ptr, part_ptr, top_ptr, ids_ptr, out_ptr, stride, splits, k, top_stride,
                     SPLIT_SLOTS: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     s = tl.arange(0, SPLIT_SLOTS)
@@ -69,8 +70,8 @@ def _combine_kernel(logits_ptr, token_ptr, part_ptr, top_ptr, ids_ptr, out_ptr, 
     tl.store(out + 2, tl.sum(tl.load(parts + 2, mask=used, other=0.0), axis=0) + 1.0)
     j = tl.arange(0, BLOCK_K)
     first_k = j < k
-    tl.store(out + 3 + j, tl.load(top_ptr + row * k + j, mask=first_k).to(tl.float32) - lse, mask=first_k)
-    tl.store(out + 3 + k + j, tl.load(ids_ptr + row * k + j, mask=first_k).to(tl.float32), mask=first_k)
+    tl.store(out + 3 + j, tl.load(top_ptr + row * top_stride + j, mask=first_k).to(tl.float32) - lse, mask=first_k)
+    tl.store(out + 3 + k + j, tl.load(ids_ptr + row * top_stride + j, mask=first_k).to(tl.float32), mask=first_k)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -79,7 +80,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tor
     n, vocab = logits.shape
     if logits.stride(1) != 1 or k > BLOCK_K:
         raise ValueError(f"token_logprobs: rows must be contiguous and k at most {BLOCK_K}, got k = {k}")
-    top, ids = logits.topk(k, dim=-1)
+    # at least one column: a CUDA tensor of no elements has no address, and Triton refuses such an argument
+    top, ids = logits.topk(max(k, 1), dim=-1)
     per_split = BLOCK * triton.cdiv(triton.cdiv(vocab, SPLITS), BLOCK)
     splits = triton.cdiv(vocab, per_split)
     slots = triton.next_power_of_2(splits)
@@ -89,5 +91,5 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tor
                                   BLOCK=BLOCK, num_warps=8)
     out = torch.empty((n, 3 + 2 * k), dtype=torch.float32, device=logits.device)
     _combine_kernel[(n,)](logits, token_ids, parts, top.contiguous(), ids.contiguous(), out, logits.stride(0),
-                          splits, k, SPLIT_SLOTS=slots, BLOCK_K=BLOCK_K, num_warps=1)
+                          splits, k, top.shape[1], SPLIT_SLOTS=slots, BLOCK_K=BLOCK_K, num_warps=1)
     return out
