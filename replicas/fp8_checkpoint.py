@@ -27,6 +27,9 @@ from replicas.errors import ModelConfigError
 @dataclass(frozen=True)
 class Fp8Checkpoint:
     static_input: bool  # inputs quantized with the checkpoint's per-tensor input_scale (else per token)
+    # compressed-tensors' kv_cache_scheme: calibrated k_scale / v_scale tensors per layer, read and left unused
+    # (kv_cache_dtype="fp8" stores K and V with a scale of 1, replicas/attention.py)
+    kv_scales: bool = False
 
 
 def parse_fp8_checkpoint(raw: dict[str, Any], where: str) -> Fp8Checkpoint | None:
@@ -80,7 +83,7 @@ def _compressed_tensors(config: dict[str, Any], where: str) -> Fp8Checkpoint:
     if group.get("output_activations") is not None:
         raise ModelConfigError(f"{at}.output_activations: quantized outputs are not supported")
     _check_ignored(config.get("ignore") or [], where)
-    return Fp8Checkpoint(static_input=not dynamic)
+    return Fp8Checkpoint(static_input=not dynamic, kv_scales=config.get("kv_cache_scheme") is not None)
 
 
 def _check_fp8(part: dict[str, Any], where: str) -> None:

@@ -229,6 +229,9 @@ class LlamaForCausalLM(nn.Module):
                 continue  # recomputed from the config
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding table is the head
+            fp8 = self.config.fp8_checkpoint
+            if fp8 is not None and fp8.kv_scales and name.endswith((".k_scale", ".v_scale")):
+                continue  # calibrated FP8 cache scales: the cache takes a scale of 1 (fp8_checkpoint.py)
             target, shard_id = name, None
             for packed, sub, sid in self.stacked_params_mapping:
                 if sub in name:

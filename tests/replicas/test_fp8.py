@@ -213,9 +213,11 @@ def test_other_quantization_configs_name_what_is_unsupported(config, match):
         parse_fp8_checkpoint({"quantization_config": config}, "m")
 
 
-def _write_fp8_checkpoint(source, out, config: dict, per_tensor: bool, input_scales: dict | None = None):
+def _write_fp8_checkpoint(source, out, config: dict, per_tensor: bool, input_scales: dict | None = None,
+                          kv_scales: bool = False):
     """source's checkpoint with every decoder linear weight in FP8 (scales per row, or one per tensor) and,
-    with input_scales (projection -> value), a static input scale for each."""
+    with input_scales (projection -> value), a static input scale for each; kv_scales: each attention layer's
+    k_scale and v_scale too (compressed-tensors' kv_cache_scheme)."""
     import json
     import shutil
 
@@ -232,6 +234,9 @@ def _write_fp8_checkpoint(source, out, config: dict, per_tensor: bool, input_sca
             tensors[name + "_scale"] = scales[:1].clone() if per_tensor else scales.unsqueeze(1)
             if input_scales is not None:
                 tensors[name[: -len("weight")] + "input_scale"] = torch.tensor([input_scales[projection]])
+            if kv_scales and projection == "k_proj":
+                attn = name[: -len("k_proj.weight")]
+                tensors[attn + "k_scale"], tensors[attn + "v_scale"] = torch.tensor(0.05), torch.tensor(0.07)
         else:
             tensors[name] = tensor
     save_file(tensors, out / "model.safetensors")
@@ -242,16 +247,19 @@ def _write_fp8_checkpoint(source, out, config: dict, per_tensor: bool, input_sca
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_per_channel_checkpoint_serves_as_quantization_fp8_over_its_source(demo, tmp_path, tp):
+@pytest.mark.parametrize("tp,kv_scales", [(1, False), (2, False), (1, True)])
+def test_a_per_channel_checkpoint_serves_as_quantization_fp8_over_its_source(demo, tmp_path, tp, kv_scales):
     """Per-channel weights ([out, 1] scales) with dynamic inputs, read from the checkpoint (at TP 2 each rank
     cuts its rows of q, k, v, gate and up and their scales): the same tokens and logprobs as the source
-    checkpoint quantized at load, adapters included."""
+    checkpoint quantized at load, adapters included. A kv_cache_scheme's k_scale / v_scale are read and left
+    out (the cache stays in the model's dtype here)."""
     from lora_core.request import LoRARequest
     from replicas.llm import LLM
     from replicas.sampling_params import SamplingParams
 
-    fp8_dir = _write_fp8_checkpoint(demo.model_dir, tmp_path / "fp8", CHANNEL_DYNAMIC, per_tensor=False)
+    config = dict(CHANNEL_DYNAMIC, kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}) \
+        if kv_scales else CHANNEL_DYNAMIC
+    fp8_dir = _write_fp8_checkpoint(demo.model_dir, tmp_path / "fp8", config, per_tensor=False, kv_scales=kv_scales)
     name = sorted(demo.adapters)[0]
     lora = [None, LoRARequest(name, 1, str(demo.adapters[name]))]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
