@@ -204,12 +204,21 @@ class Attention(nn.Module):
         # passed only where set: a backend that takes no soft cap serves every model without one
         self.extra = {"softcap": softcap} if softcap is not None else {}
         self.backend = backend or reference_attention
+        # An FP8 checkpoint's calibrated cache scales (its kv_cache_scheme): an FP8 cache stores k / k_scale and
+        # v / v_scale. Host floats, read once at load.
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = q.shape[0]
+        scale, v_scale = self.scale, 1.0
+        if kv_cache[0].dtype == torch.float8_e4m3fn and (self.k_scale != 1.0 or self.v_scale != 1.0):
+            # q . (k_q k_scale) = (q . k_q) k_scale: the softmax scale takes k's; the output, a mix of v_q, v's
+            k, v, scale, v_scale = k / self.k_scale, v / self.v_scale, scale * self.k_scale, self.v_scale
         out = self.backend(q.reshape(t, self.num_heads, self.head_dim),
                            k.reshape(t, self.num_kv_heads, self.head_dim),
                            v.reshape(t, self.num_kv_heads, self.head_dim),
-                           kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, **self.extra)
+                           kv_cache[0], kv_cache[1], meta, scale, self.sliding_window, **self.extra)
+        if v_scale != 1.0:
+            out = out * v_scale
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -27,8 +27,8 @@ from replicas.errors import ModelConfigError
 @dataclass(frozen=True)
 class Fp8Checkpoint:
     static_input: bool  # inputs quantized with the checkpoint's per-tensor input_scale (else per token)
-    # compressed-tensors' kv_cache_scheme: calibrated k_scale / v_scale tensors per layer, read and left unused
-    # (kv_cache_dtype="fp8" stores K and V with a scale of 1, replicas/attention.py)
+    # compressed-tensors' kv_cache_scheme: calibrated k_scale / v_scale tensors per layer, which an FP8 cache
+    # (kv_cache_dtype="fp8") stores K and V divided by (replicas/attention.py Attention)
     kv_scales: bool = False
 
 

@@ -231,7 +231,10 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding table is the head
             fp8 = self.config.fp8_checkpoint
             if fp8 is not None and fp8.kv_scales and name.endswith((".k_scale", ".v_scale")):
-                continue  # calibrated FP8 cache scales: the cache takes a scale of 1 (fp8_checkpoint.py)
+                # calibrated FP8 cache scales: the layer's Attention keeps them (used with an FP8 cache)
+                owner, _, which = name.rpartition(".")
+                setattr(self.get_submodule(owner + ".attn"), which, float(tensor.float().reshape(-1)[0]))
+                continue
             target, shard_id = name, None
             for packed, sub, sid in self.stacked_params_mapping:
                 if sub in name:

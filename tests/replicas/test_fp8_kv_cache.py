@@ -64,3 +64,29 @@ def test_the_fused_cache_write_stores_what_the_reference_stores(dtype):
     fused.write_kv_cache(k, v, *got, slots)
     write_kv(k, v, *want, slots)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+
+
+def test_a_checkpoints_calibrated_scales_divide_what_the_cache_stores(demo, tmp_path, monkeypatch):
+    """An FP8 checkpoint with a kv_cache_scheme (k_scale 0.05, v_scale 0.07 on every layer) served with an FP8
+    cache: keys and values stored as round_fp8(k / k_scale) and read back times it. transformers (its linear
+    layers computing the same FP8 products) with its attention reading keys and values rounded that way."""
+    import transformers.models.llama.modeling_llama as llama
+
+    from replicas.quantization import fp8_linear_reference
+    from tests.replicas.test_fp8 import CHANNEL_DYNAMIC, _fp8_linears, _write_fp8_checkpoint
+
+    config = dict(CHANNEL_DYNAMIC, kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"})
+    fp8_dir = _write_fp8_checkpoint(demo.model_dir, tmp_path / "fp8", config, per_tensor=False, kv_scales=True)
+    eager = llama.eager_attention_forward
+
+    def stored(x, scale):
+        return (to_cache_dtype(x / scale, FP8).to(x.dtype)) * scale
+
+    def fp8_kv(module, query, key, value, *args, **kwargs):
+        return eager(module, query, stored(key, 0.05), stored(value, 0.07), *args, **kwargs)
+
+    monkeypatch.setattr(llama, "eager_attention_forward", fp8_kv)
+    prompts = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT"]
+    generate_against_peft(fp8_dir, {}, prompts, [None] * 3, 8, patch=_fp8_linears(
+        lambda name, wq, ws, bias: lambda x: fp8_linear_reference(x, wq, ws, bias)),
+        reference_dir=demo.model_dir, tolerance=0.03, kv_cache_dtype="fp8")
