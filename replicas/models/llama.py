@@ -233,7 +233,11 @@ class LlamaForCausalLM(nn.Module):
             if fp8 is not None and fp8.kv_scales and name.endswith((".k_scale", ".v_scale")):
                 # calibrated FP8 cache scales: the layer's Attention keeps them (used with an FP8 cache)
                 owner, _, which = name.rpartition(".")
-                setattr(self.get_submodule(owner + ".attn"), which, float(tensor.float().reshape(-1)[0]))
+                try:
+                    attn = self.get_submodule(owner + ".attn")
+                except AttributeError:
+                    raise CheckpointError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
+                setattr(attn, which, float(tensor.float().reshape(-1)[0]))
                 continue
             target, shard_id = name, None
             for packed, sub, sid in self.stacked_params_mapping:
