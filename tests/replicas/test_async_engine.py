@@ -23,8 +23,8 @@ ENGINE = dict(enable_lora=True, max_loras=4, max_lora_rank=32, dtype="float32", 
 LONG = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)  # runs for seconds unless stopped
 
 
-def _greedy(n=12):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
+def _greedy(n=12, **kwargs):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,23 @@ def test_streaming_matches_llm(demo, cases, reference, async_scheduling):
     assert outs[-1].outputs[0].finish_reason == "length"
     assert _final(outs) == reference[0]
     assert _no_engine_thread()
+
+
+def test_streams_of_deltas_and_of_the_final_output_only(demo, cases, reference):
+    """SamplingParams.output_kind through the async engine: DELTA's parts add up to the reference, each new;
+    FINAL_ONLY yields one output, the whole of it."""
+    from replicas.sampling_params import RequestOutputKind
+
+    async def body(engine):
+        delta = await collect(engine, cases[0][0], _greedy(output_kind=RequestOutputKind.DELTA), "d")
+        final = await collect(engine, cases[0][0], _greedy(output_kind=RequestOutputKind.FINAL_ONLY), "f")
+        return delta, final
+
+    delta, final = run(demo, body)
+    assert len(delta) > 1 and all(o.outputs[0].token_ids for o in delta)
+    assert ("".join(o.outputs[0].text for o in delta),
+            [t for o in delta for t in o.outputs[0].token_ids]) == reference[0]
+    assert len(final) == 1 and final[0].finished and _final(final) == reference[0]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])  # async: outputs a step later
