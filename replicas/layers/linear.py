@@ -93,28 +93,13 @@ class LinearBase(nn.Module):
         """weight_scale's rows from a checkpoint's scale: per channel ([out, 1] or [out]) or per tensor (one
         value, repeated over the tensor's rows); this rank's rows, as weight_loader cuts the weight's."""
         scale = loaded.float().reshape(-1)
-        if self.splits_rows or len(self.output_sizes) == 1 or shard_id is not None:
-            k = 0 if shard_id is None else self._slice_id(shard_id)
-            rows = self.output_sizes[k]
-            if scale.numel() not in (1, rows):
-                raise CheckpointError(f"{type(self).__name__}: weight_scale has {scale.numel()} values for {rows} rows")
-            scale = scale.expand(rows)
-            if self.splits_rows:
-                copy_checked(param.data, scale, "RowParallelLinear weight_scale")
-                return
-            width = self.output_partition_sizes[k]
-            index, _ = self.shard_of(k)
-            copy_checked(param.data.narrow(0, sum(self.output_partition_sizes[:k]), width),
-                         scale.narrow(0, index * width, width), f"{type(self).__name__} weight_scale {shard_id!r}")
-            return
-        # a packed checkpoint tensor's scale (one value for it all, or one per row): slice by slice
-        parts = [scale] * len(self.output_sizes) if scale.numel() == 1 else \
-            scale.split(self.output_sizes) if scale.numel() == sum(self.output_sizes) else None
-        if parts is None:
-            raise CheckpointError(f"{type(self).__name__}: weight_scale has {scale.numel()} values for "
-                                  f"{sum(self.output_sizes)} rows")
-        for k, part in enumerate(parts):
-            self.scale_loader(param, part, k)
+        if scale.numel() == 1:  # per tensor: the one value for each of the tensor's rows
+            scale = scale.expand(sum(self.output_sizes) if shard_id is None else
+                                 self.output_sizes[self._slice_id(shard_id)])
+        if self.splits_rows:  # every rank holds every row
+            copy_checked(param.data, scale, "RowParallelLinear weight_scale")
+        else:  # one value per row: cut as the weight's rows are, packed or not ([rows, 1] views)
+            self.weight_loader(param.data.unsqueeze(1), scale.unsqueeze(1), shard_id)
 
     @property
     def forward_bias(self) -> torch.Tensor | None:

@@ -25,6 +25,22 @@ def test_names_and_saturation():
     assert torch.equal(to_cache_dtype(x[:3], torch.bfloat16), x[:3].to(torch.bfloat16))
 
 
+def _hf_attention_reads_fp8(monkeypatch, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """transformers' Llama attention (eager) reads keys and values as an FP8 cache stores them:
+    round_fp8(x / scale) * scale."""
+    import transformers.models.llama.modeling_llama as llama
+
+    eager = llama.eager_attention_forward
+
+    def stored(x, scale):
+        return to_cache_dtype(x / scale, FP8).to(x.dtype) * scale
+
+    def fp8_kv(module, query, key, value, *args, **kwargs):
+        return eager(module, query, stored(key, k_scale), stored(value, v_scale), *args, **kwargs)
+
+    monkeypatch.setattr(llama, "eager_attention_forward", fp8_kv)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_generation_with_adapters_matches_hf_peft_over_fp8_keys_and_values(demo, tmp_path, monkeypatch, tp):
     """transformers computes every step over the whole sequence, each key and value rounded to FP8 as the
@@ -32,15 +48,7 @@ def test_generation_with_adapters_matches_hf_peft_over_fp8_keys_and_values(demo,
     keys and values come out of GEMMs that sum in another order than transformers' (ulps apart), and a value
     an ulp from an FP8 rounding boundary lands a step (1/16) away: logprobs then agree within 0.03, not 2e-3
     (0.0055 measured). Without the FP8 cache the engine's tokens differ from the first one."""
-    import transformers.models.llama.modeling_llama as llama
-
-    eager = llama.eager_attention_forward
-
-    def fp8_kv(module, query, key, value, *args, **kwargs):
-        return eager(module, query, to_cache_dtype(key, FP8).to(key.dtype), to_cache_dtype(value, FP8).to(value.dtype),
-                     *args, **kwargs)
-
-    monkeypatch.setattr(llama, "eager_attention_forward", fp8_kv)
+    _hf_attention_reads_fp8(monkeypatch)
     adapters = write_peft_adapters(demo.model_dir, tmp_path, 90,
                                    {"all-r8": dict(r=8, lora_alpha=16, target_modules=EVERY_PROJECTION)})
     prompts = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT"]
@@ -70,22 +78,12 @@ def test_a_checkpoints_calibrated_scales_divide_what_the_cache_stores(demo, tmp_
     """An FP8 checkpoint with a kv_cache_scheme (k_scale 0.05, v_scale 0.07 on every layer) served with an FP8
     cache: keys and values stored as round_fp8(k / k_scale) and read back times it. transformers (its linear
     layers computing the same FP8 products) with its attention reading keys and values rounded that way."""
-    import transformers.models.llama.modeling_llama as llama
-
     from replicas.quantization import fp8_linear_reference
     from tests.replicas.test_fp8 import CHANNEL_DYNAMIC, _fp8_linears, _write_fp8_checkpoint
 
     config = dict(CHANNEL_DYNAMIC, kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"})
     fp8_dir = _write_fp8_checkpoint(demo.model_dir, tmp_path / "fp8", config, per_tensor=False, kv_scales=True)
-    eager = llama.eager_attention_forward
-
-    def stored(x, scale):
-        return (to_cache_dtype(x / scale, FP8).to(x.dtype)) * scale
-
-    def fp8_kv(module, query, key, value, *args, **kwargs):
-        return eager(module, query, stored(key, 0.05), stored(value, 0.07), *args, **kwargs)
-
-    monkeypatch.setattr(llama, "eager_attention_forward", fp8_kv)
+    _hf_attention_reads_fp8(monkeypatch, k_scale=0.05, v_scale=0.07)
     prompts = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT"]
     generate_against_peft(fp8_dir, {}, prompts, [None] * 3, 8, patch=_fp8_linears(
         lambda name, wq, ws, bias: lambda x: fp8_linear_reference(x, wq, ws, bias)),

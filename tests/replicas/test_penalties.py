@@ -56,6 +56,17 @@ def _check(state: PenaltyState, logits: torch.Tensor, batch: list[Sequence]) -> 
     return draw
 
 
+def _draw(state: PenaltyState, batch: list[Sequence], rng: random.Random, device: str) -> None:
+    """One step as the engine takes it: penalties checked against the reference, the argmax drawn, recorded
+    and appended to each sequence."""
+    logits = _logits(rng, len(batch), device)
+    draw = _check(state, logits, batch)
+    tokens = logits.argmax(-1)
+    state.record(draw, tokens)
+    for seq, token in zip(batch, tokens.tolist()):
+        seq.append_token(token)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_steps_of_a_changing_batch_match_the_reference(device):
     rng = random.Random(0)
@@ -64,12 +75,7 @@ def test_steps_of_a_changing_batch_match_the_reference(device):
     made, refills = 6, 0
     for step in range(40):
         batch = [s for s in alive if rng.random() < 0.8] or alive[:1]  # some rows sit a step out
-        logits = _logits(rng, len(batch), device)
-        draw = _check(state, logits, batch)
-        tokens = logits.argmax(-1)
-        state.record(draw, tokens)
-        for seq, token in zip(batch, tokens.tolist()):
-            seq.append_token(token)
+        _draw(state, batch, rng, device)
         if step % 7 == 3:  # outputs change under the state: a token the state did not draw, and a placeholder
             alive[0].append_token(rng.randrange(VOCAB))
             alive[1].output_token_ids.append(PENDING_TOKEN)
@@ -90,13 +96,7 @@ def test_slots_of_sequences_outside_the_step_are_lent_out_and_refilled(device):
     seqs = [Sequence(f"s{i}", [i, i + 1], SamplingParams(frequency_penalty=0.5, repetition_penalty=1.2))
             for i in range(12)]
     for step in range(6):
-        batch = seqs[:8] if step % 2 == 0 else seqs[4:]
-        logits = _logits(rng, len(batch), device)
-        draw = _check(state, logits, batch)
-        tokens = logits.argmax(-1)
-        state.record(draw, tokens)
-        for seq, token in zip(batch, tokens.tolist()):
-            seq.append_token(token)
+        _draw(state, seqs[:8] if step % 2 == 0 else seqs[4:], rng, device)
     assert state.capacity == 8
 
 
