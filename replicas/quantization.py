@@ -62,12 +62,16 @@ def fp8_layers(model: torch.nn.Module, dtype: torch.dtype, device: torch.device)
             if any(size % 16 for size in layer.weight.shape):
                 raise ValueError(f"FP8 weights: a linear layer's weight on this rank is {tuple(layer.weight.shape)}, "
                                  f"and the FP8 GEMM needs both sizes multiples of 16")
+        _unit_scale(device)  # now: made inside a CUDA graph's capture, it would hold 1.0 only once replayed
     return layers
 
 
 def row_scales(t: torch.Tensor) -> torch.Tensor:
     """[rows, K] -> [rows] float32: max |row| / FP8_MAX (at least MIN_SCALE)."""
-    return (t.abs().amax(dim=-1).float() / FP8_MAX).clamp_(min=MIN_SCALE)
+    peak = t.abs().amax(dim=-1).float()
+    # divided by a tensor on peak's device: torch on CUDA turns a division by a Python number into a product
+    # with its reciprocal (an ulp off at times), and the Triton quantizer divides rounding correctly
+    return (peak / peak.new_full((), FP8_MAX)).clamp_(min=MIN_SCALE)
 
 
 def quantize_rows(t: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,16 +98,36 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8_linear_reference's result: for bfloat16 on CUDA, the input quantized by one Triton launch and one
-    torch._scaled_mm (row-wise scales); elsewhere (CPU, float32 on CUDA: tests) the reference."""
+    """fp8_linear_reference's result: for bfloat16 on CUDA, the input quantized by one Triton launch, then
+    torch._scaled_mm; elsewhere (CPU, float32 on CUDA: tests) the reference. Up to UNIT_SCALE_ROWS rows (decode
+    batches) the product runs with unit scales into float32 and a Triton epilogue applies both scales
+    (bench/fp8_gemm.py: _scaled_mm's row-wise form took about twice its per-tensor form's time there, up to
+    1.8 x the bfloat16 GEMM); above, the row-wise form, whose float32 sums a larger batch would write twice."""
     if not x.is_cuda or x.dtype != torch.bfloat16:
         return fp8_linear_reference(x, weight, weight_scale, bias, input_scale)
-    from replicas.kernels.fp8 import quantize_rows as quantize_on_gpu  # triton: CUDA only here
+    from replicas.kernels.fp8 import quantize_rows as quantize_on_gpu, scale_product  # triton: CUDA only here
 
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_on_gpu(rows, input_scale)
-    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
-                         out_dtype=x.dtype)
-    if bias is not None:  # added as the reference adds it: after the product's rounding to x's dtype
-        y = y + bias
+    if rows.shape[0] <= UNIT_SCALE_ROWS:
+        unit = _unit_scale(x.device)
+        acc = torch._scaled_mm(xq, weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+        y = scale_product(acc, x_scale, weight_scale, bias, x.dtype)
+    else:
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
+                             out_dtype=x.dtype)
+        if bias is not None:  # added as the reference adds it: after the product's rounding to x's dtype
+            y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+UNIT_SCALE_ROWS = 256
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on device, made once (by fp8_layers, at load)."""
+    unit = _UNIT_SCALES.get(device)
+    if unit is None:
+        unit = _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return unit

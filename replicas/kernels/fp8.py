@@ -1,7 +1,14 @@
-"""replicas/quantization.py's per-token input quantization in one launch: a program per row finds the row's
-max |x| (one pass), then writes x / scale rounded to float8 e4m3 (a second pass) and the scale. The same
-values as quantization.quantize_rows: the scale and the division in float32, correctly rounded, the
-quotient clamped to +-448 before the conversion (round to nearest even, as torch converts)."""
+"""replicas/quantization.py's FP8 GEMM on CUDA, the parts torch has no one launch for.
+
+quantize_rows: per-token input quantization, a program per row: the row's max |x|, then x / scale rounded to
+float8 e4m3, and the scale. The same values as quantization.quantize_rows: the scale and the division in
+float32, correctly rounded, the quotient clamped to +-448 before the conversion (round to nearest even, as
+torch converts).
+
+scale_product: the epilogue of a product computed with unit scales (torch._scaled_mm's per-tensor form, which
+bench/fp8_gemm.py measured at about half the time of its row-wise form on decode batches): float32 sums times
+each row's input scale and each column's weight scale, rounded to the model's dtype, then the bias added as
+quantization.fp8_linear_reference adds it."""
 
 from __future__ import annotations
 
@@ -11,7 +18,10 @@ import triton.language as tl
 
 from replicas.quantization import FP8, FP8_MAX, MIN_SCALE
 
-BLOCK = 1024
+# a row of up to this many values is one block (its second read, from L2, costs little); wider rows loop.
+# Was 1,024 at 4 warps: 8 us for Llama-3-8B's 14,336-wide down_proj input, a decode batch's bfloat16 GEMM 33.
+MAX_BLOCK = 16384
+SCALE_BLOCK = 1024
 
 
 @triton.jit
@@ -45,7 +55,35 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[
     q = torch.empty((rows, width), dtype=FP8, device=x.device)
     scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
+        block = min(triton.next_power_of_2(width), MAX_BLOCK)
         _quantize_rows_kernel[(rows,)](x, q, scales, scales if static is None else static, width, x.stride(0),
-                                       LIMIT=FP8_MAX, FLOOR=MIN_SCALE, STATIC=static is not None, BLOCK=BLOCK,
-                                       num_warps=4)
+                                       LIMIT=FP8_MAX, FLOOR=MIN_SCALE, STATIC=static is not None, BLOCK=block,
+                                       num_warps=max(4, min(16, block // 1024)))
     return q, scales
+
+
+@triton.jit
+def _scale_product_kernel(acc_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, width,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    acc = tl.load(acc_ptr + row * width + cols, mask=inside, other=0.0)
+    y = (acc * tl.load(x_scale_ptr + row) * tl.load(w_scale_ptr + cols, mask=inside, other=0.0))
+    y = y.to(out_ptr.dtype.element_ty)
+    if HAS_BIAS:  # after the product's rounding, in float32, rounded again: what torch's y + bias does
+        y = (y.to(tl.float32) + tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32))
+        y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * width + cols, y, mask=inside)
+
+
+def scale_product(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """acc [rows, N] float32 (contiguous) * x_scale [rows] * w_scale [N], in dtype, + bias [N] -> [rows, N]."""
+    rows, width = acc.shape
+    out = torch.empty((rows, width), dtype=dtype, device=acc.device)
+    if rows:
+        _scale_product_kernel[(rows, triton.cdiv(width, SCALE_BLOCK))](
+            acc, x_scale, w_scale, acc if bias is None else bias, out, width, HAS_BIAS=bias is not None,
+            BLOCK=SCALE_BLOCK, num_warps=4)
+    return out

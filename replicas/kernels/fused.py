@@ -302,7 +302,7 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads
     dst = (slot // BLOCK_SIZE) * sc_b + (slot % BLOCK_SIZE) * sc_s + heads[:, None] * sc_h + offs_d[None, :]
     k = tl.load(k_ptr + tok * sk_t + heads[:, None] * sk_h + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * sv_t + heads[:, None] * sv_h + offs_d[None, :], mask=mask)
-    if SATURATE:  # an FP8 cache: +-448 at most, as replicas.attention.to_cache_dtype stores them
+    if SATURATE > 0:  # an FP8 cache: +-448 at most, as replicas.attention.to_cache_dtype stores them
         k = tl.minimum(tl.maximum(k.to(tl.float32), -SATURATE), SATURATE)
         v = tl.minimum(tl.maximum(v.to(tl.float32), -SATURATE), SATURATE)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
