@@ -28,6 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.adapter_tier_actor import get_adapter, get_or_create_adapter_tier
 from cluster.api import build_api
 from cluster.errors import OverloadedError
+from cluster.output_stream import DeltaDecoder, DeltaEncoder
 from cluster.response_store_actor import SharedResponses, get_or_create_response_store
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
@@ -81,9 +82,11 @@ class LoRAReplica:
                 self._ready = True
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        """The request's outputs as cluster/output_stream.py's deltas (the ingress rebuilds them)."""
         await self._start()
+        encoder = DeltaEncoder()
         async for out in self.server.generate(request):
-            yield asdict(out)
+            yield encoder.encode(out)
         self._export_metrics()
 
     def _export_metrics(self) -> None:
@@ -134,28 +137,27 @@ class _ReplicaBackend:
         self._decode = None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
-        from replicas.outputs import CompletionOutput, RequestOutput
-
         try:
-            async for item in self.call_generate(request):
-                outputs = [CompletionOutput(**c) for c in item["outputs"]]
-                yield RequestOutput(**{**item, "outputs": outputs})
+            async for out in self.call_generate(request):
+                yield out
         except BackPressureError as exc:  # every replica's queue is full (max_queued_requests): HTTP 429
             raise OverloadedError(f"all replicas are at capacity, retry later ({exc})") from exc
 
-    def call_generate(self, request: GenerateRequest):
-        """The replicas' generate stream, under an internal request id of its own: a handle call takes the HTTP
-        request's, and the prompts of one completions request (cluster/prompt_batch.py), sharing it, collided in
-        Serve's and the router's bookkeeping: all but one never ran. remote() reads the context when called."""
+    def call_generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
+        """The replicas' generate stream as cumulative RequestOutputs, called under an internal request id of its
+        own: a handle call takes the HTTP request's, and the prompts of one completions request
+        (cluster/prompt_batch.py), sharing it, collided in Serve's and the router's bookkeeping: all but one
+        never ran. remote() reads the context when called, so it is called here, not when iterated."""
         from ray.serve import context  # Serve's request context: private, read and set as Serve itself does
 
         current = context._get_serve_request_context()
         token = context._serve_request_context.set(
             dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
         try:
-            return self.replicas.options(stream=True).generate.remote(request)
+            items = self.replicas.options(stream=True).generate.remote(request)
         finally:
             context._serve_request_context.reset(token)
+        return _decoded(items)
 
     async def models(self) -> list[dict]:
         return await self.replicas.models.remote()
@@ -234,9 +236,9 @@ class Ingress:
         if stream:
             return _relay(outputs)
         last = None
-        async for item in outputs:
-            last = item
-        return last
+        async for out in outputs:
+            last = out
+        return None if last is None else asdict(last)
 
     # gRPC (cluster/proto/lorafleet.proto): Serve's gRPC proxy calls the methods named after the RPCs.
     async def Generate(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
@@ -254,5 +256,12 @@ class Ingress:
 
 
 async def _relay(outputs) -> AsyncIterator[dict]:
-    async for item in outputs:
-        yield item
+    async for out in outputs:
+        yield asdict(out)
+
+
+async def _decoded(items) -> AsyncIterator[Any]:
+    """A replica's delta stream (cluster/output_stream.py) as the cumulative RequestOutputs it encodes."""
+    decoder = DeltaDecoder()
+    async for item in items:
+        yield decoder.decode(item)

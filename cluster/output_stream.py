@@ -1,0 +1,104 @@
+"""A request's outputs across the Serve handle as deltas: the replica encodes, the ingress decodes.
+
+The engine reports a cumulative RequestOutput after every step: the prompt's ids and text, every token so
+far, all its text and logprobs. Streamed across the handle as they are, each step's chunk carried all of it
+again (a 1,000-token answer to a 500-token prompt: ~1,000 chunks of ~10 KB), and dataclasses.asdict deep-copied
+it first, on the replica's event loop, which the engine's outputs share: 0.5 - 1 ms a chunk, 5 ms with
+logprobs, for every streaming request at every step (bench/stream_encoding.py).
+
+DeltaEncoder (replica side) sends the first output whole and then, for each completion, only what it
+gained: the new text, token ids and logprobs, and its finish reason; the prompt's fields go once (prompt
+logprobs as they grow). DeltaDecoder (ingress side) rebuilds the cumulative RequestOutputs, equal to the
+engine's, so the HTTP, gRPC and Python handle APIs above it are unchanged. A field that shrank (none does
+today: the detokenizer holds back what a stop string might still take) is sent whole, marked as such.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replicas.outputs import CompletionOutput, RequestOutput
+
+GROWING = ("text", "token_ids", "logprobs")  # a completion's fields that only grow while it runs
+
+
+def _tail(value, sent: int) -> tuple[Any, bool]:
+    """(what value gained past its first `sent` items, False), or (all of it, True) where it shrank."""
+    if value is None or len(value) < sent:
+        return value, True
+    return value[sent:], False
+
+
+class DeltaEncoder:
+    """One request's outputs -> wire dicts (plain values: Ray pickles them as they are)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, dict[str, int]] = {}  # per completion index: items of each field sent
+        self._prompt_logprobs = 0
+        self._first = True
+
+    def encode(self, out: RequestOutput) -> dict:
+        item: dict[str, Any] = {"request_id": out.request_id, "finished": out.finished, "error": out.error,
+                                "order": [c.index for c in out.outputs], "completions": []}
+        if self._first:
+            self._first = False
+            item.update(prompt=out.prompt, prompt_token_ids=out.prompt_token_ids, lora_name=out.lora_name)
+        if out.prompt_logprobs is not None:
+            item["prompt_logprobs"], item["prompt_logprobs_whole"] = _tail(out.prompt_logprobs, self._prompt_logprobs)
+            self._prompt_logprobs = len(out.prompt_logprobs)
+        for c in out.outputs:
+            sent = self._sent.setdefault(c.index, {})
+            entry: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for name in GROWING:
+                value = getattr(c, name)
+                entry[name], whole = _tail(value, sent.get(name, 0))
+                if whole:
+                    entry[name + "_whole"] = True
+                sent[name] = 0 if value is None else len(value)
+            item["completions"].append(entry)
+        return item
+
+
+class DeltaDecoder:
+    """DeltaEncoder's wire dicts -> the cumulative RequestOutputs they were made from (each with lists of its
+    own, as the engine's are)."""
+
+    def __init__(self) -> None:
+        self._head: dict[str, Any] = {}
+        self._prompt_logprobs: list | None = None
+        self._completions: dict[int, dict[str, Any]] = {}
+
+    def decode(self, item: dict) -> RequestOutput:
+        for name in ("prompt", "prompt_token_ids", "lora_name"):
+            if name in item:
+                self._head[name] = item[name]
+        if "prompt_logprobs" in item:
+            self._prompt_logprobs = _grow(self._prompt_logprobs, item["prompt_logprobs"],
+                                          item.get("prompt_logprobs_whole", False))
+        for entry in item["completions"]:
+            held = self._completions.setdefault(entry["index"], {})
+            for name in GROWING:
+                held[name] = _grow(held.get(name), entry[name], entry.get(name + "_whole", False))
+            held["finish_reason"], held["stop_reason"] = entry["finish_reason"], entry["stop_reason"]
+        outputs = [self._completion(index) for index in item["order"]]
+        return RequestOutput(item["request_id"], self._head["prompt"], list(self._head["prompt_token_ids"]),
+                             outputs, item["finished"], self._head["lora_name"], item["error"],
+                             prompt_logprobs=None if self._prompt_logprobs is None else list(self._prompt_logprobs))
+
+    def _completion(self, index: int) -> CompletionOutput:
+        held = self._completions[index]
+        logprobs = held["logprobs"]
+        return CompletionOutput(index, held["text"], list(held["token_ids"]),
+                                None if logprobs is None else list(logprobs), held["finish_reason"],
+                                held["stop_reason"])
+
+
+def _grow(held, gained, whole: bool):
+    """held extended by gained (a list in place; text), or gained itself where it was sent whole (or is the
+    first). The lists are the decoder's own (unpickled for it), and outputs get copies of them."""
+    if whole or held is None:
+        return list(gained) if isinstance(gained, list) else gained  # not the wire's: the lists grow in place
+    if isinstance(held, list):
+        held.extend(gained)
+        return held
+    return held + gained
