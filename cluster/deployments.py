@@ -28,7 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.adapter_tier_actor import get_adapter, get_or_create_adapter_tier
 from cluster.api import build_api
 from cluster.errors import OverloadedError
-from cluster.output_stream import DeltaDecoder, DeltaEncoder
+from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced
 from cluster.response_store_actor import SharedResponses, get_or_create_response_store
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
@@ -82,10 +82,11 @@ class LoRAReplica:
                 self._ready = True
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
-        """The request's outputs as cluster/output_stream.py's deltas (the ingress rebuilds them)."""
+        """The request's outputs as cluster/output_stream.py's deltas (the ingress rebuilds them), at most one
+        per ServerConfig.stream_interval_ms."""
         await self._start()
         encoder = DeltaEncoder()
-        async for out in self.server.generate(request):
+        async for out in coalesced(self.server.generate(request), self.server.config.stream_interval_ms / 1e3):
             yield encoder.encode(out)
         self._export_metrics()
 

@@ -62,11 +62,17 @@ class ServerConfig:
     # at "<this>/<name>" (s3://, hf:// or a local root), registered cluster-wide as it is fetched. None: a
     # name must be registered first (preload_adapters, /v1/load_lora_adapter).
     dynamic_lora_loading_path: str | None = None
+    # A streaming request's outputs cross the Serve handle at most once per this many ms (the first and the
+    # last at once; cluster/output_stream.coalesced); 0: every engine step's. Ray Serve LLM batches likewise.
+    stream_interval_ms: float = 50.0
 
     def __post_init__(self) -> None:
         # an unknown name fails the deployment's start
         self.tool_parser = tool_parser(self.tool_call_parser)
         self.reasoning = reasoning_parser(self.reasoning_parser)
+        if not isinstance(self.stream_interval_ms, (int, float)) or not 0 <= self.stream_interval_ms <= 10_000:
+            raise ValueError(f"stream_interval_ms must be a number of milliseconds in [0, 10000], got "
+                             f"{self.stream_interval_ms!r}")
         if self.dynamic_lora_loading_path is not None:
             if not isinstance(self.dynamic_lora_loading_path, str) or not self.dynamic_lora_loading_path.strip("/"):
                 raise ValueError(f"dynamic_lora_loading_path must be a non-empty uri prefix, got "

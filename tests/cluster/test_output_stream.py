@@ -1,13 +1,14 @@
 """cluster/output_stream.py: a request's outputs cross the Serve handle as deltas and come back as the
-engine's cumulative RequestOutputs, field for field."""
+engine's cumulative RequestOutputs, field for field; coalesced sends at most one per interval."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 
 import pytest
 
-from cluster.output_stream import DeltaDecoder, DeltaEncoder
+from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced
 from replicas.outputs import CompletionOutput, RequestOutput
 
 
@@ -89,3 +90,98 @@ def test_completions_keep_the_order_and_number_the_engine_listed():
     outs = [out((1, [7]), (0, [3])), out((1, [7, 8])), out((0, [3, 4]), (1, [7, 8, 9]))]
     encoder, decoder = DeltaEncoder(), DeltaDecoder()
     assert [decoder.decode(encoder.encode(o)) for o in outs] == outs
+
+
+# ---- coalesced: at most one output per interval --------------------------------------------------------------
+
+
+def _outputs(count: int) -> list[RequestOutput]:
+    return [RequestOutput("r", None, [1], [CompletionOutput(0, "x" * i, list(range(i)))], finished=i == count)
+            for i in range(1, count + 1)]
+
+
+def _run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout=20))  # a wait that is never cut short fails here
+
+
+def test_no_interval_passes_every_output_on():
+    async def go():
+        async def source():
+            for out in _outputs(5):
+                yield out
+        return [out async for out in coalesced(source(), 0)]
+
+    assert _run(go()) == _outputs(5)
+
+
+def test_outputs_within_an_interval_go_as_their_latest_and_the_last_goes_at_once():
+    """o1 at once; o2, o3 arrive together and go as o3 when the interval is up; the finished o4 cuts a long
+    interval short."""
+    outs = _outputs(4)
+
+    async def go(interval: float):
+        taken = {out.outputs[0].text: asyncio.Event() for out in outs}
+
+        async def source():  # o1; once it is taken o2 and o3; once o3 is (or o1, the interval long) o4
+            yield outs[0]
+            await taken["x"].wait()
+            yield outs[1]
+            yield outs[2]
+            await taken["xxx"].wait()
+            await asyncio.sleep(0.01)  # the reader waits for the interval by then
+            yield outs[3]
+
+        got = []
+        async for out in coalesced(source(), interval):
+            got.append(out)
+            taken[out.outputs[0].text].set()
+            if interval > 1:
+                taken["xxx"].set()
+        return got
+
+    assert _run(go(0.05)) == [outs[0], outs[2], outs[3]]
+    assert _run(go(3600.0)) == [outs[0], outs[3]]
+
+
+def test_an_error_reaches_the_reader_after_what_came_before_it():
+    async def go():
+        async def source():
+            yield _outputs(2)[0]
+            raise ValueError("bad request")
+
+        got = []
+        with pytest.raises(ValueError, match="bad request"):
+            async for out in coalesced(source(), 0.01):
+                got.append(out)
+        return got
+
+    assert _run(go()) == _outputs(2)[:1]
+
+
+def test_closing_the_stream_closes_the_engines():
+    """A client gone: closing coalesced's generator ends the source's (where the server aborts the request)."""
+    async def go():
+        closed = asyncio.Event()
+
+        async def source():
+            try:
+                yield _outputs(2)[0]
+                await asyncio.Event().wait()  # the engine still working
+            finally:
+                closed.set()
+
+        stream = coalesced(source(), 0.01)
+        first = await stream.__anext__()
+        await stream.aclose()
+        await closed.wait()
+        return first
+
+    assert _run(go()) == _outputs(2)[0]
+
+
+@pytest.mark.parametrize("bad", [-1, "50", 1e9])
+def test_a_bad_stream_interval_fails_the_config(bad):
+    from cluster.server import ServerConfig
+
+    with pytest.raises(ValueError, match="stream_interval_ms"):
+        ServerConfig(stream_interval_ms=bad)
