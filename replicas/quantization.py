@@ -127,6 +127,8 @@ _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
 def _unit_scale(device: torch.device) -> torch.Tensor:
     """A float32 1.0 on device, made once (by fp8_layers, at load)."""
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" name one device, one key
+        device = torch.device("cuda", torch.cuda.current_device())
     unit = _UNIT_SCALES.get(device)
     if unit is None:
         unit = _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)

@@ -301,7 +301,11 @@ def test_a_per_channel_checkpoint_serves_as_quantization_fp8_over_its_source(dem
         outs.append(llm.generate(["The quick brown fox", "SELECT"], params, lora))
         llm.shutdown()
     for a, b in zip(*outs):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        # not bit for bit: two engines' float32 results were 1e-6 apart in about one run of six (the second
+        # token's logprob; tokens equal), the same order of tests each time: CPU GEMMs need not repeat their sums
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) <= 1e-5 for t in x)
 
 
 def test_a_per_tensor_static_checkpoint_matches_hf_peft_over_the_same_products(demo, tmp_path):
