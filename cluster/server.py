@@ -258,6 +258,11 @@ class LoRAServer:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; typed errors for a bad model name, prompt or parameter."""
+        if "output_kind" in request.sampling:  # the replica coalesces and encodes cumulative outputs
+            from replicas.errors import InvalidRequestError
+
+            raise InvalidRequestError([("output_kind", "output_kind is not a request's to set here: streams carry "
+                                        "what is new in each chunk already")])
         lora = None if request.model == self.model_name else await self._ensure_loaded(request.model)
         prompt = request.prompt
         if request.messages is not None:

@@ -32,7 +32,7 @@ from lora_core.request import LoRARequest
 from replicas.engine import EngineArgs, LLMEngine
 from replicas.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from replicas.outputs import CompletionOutput, RequestOutput
-from replicas.sampling_params import SamplingParams
+from replicas.sampling_params import RequestOutputKind, SamplingParams
 
 # How often an idle engine loop looks at background adapter loads (it never blocks on one).
 _LOAD_POLL_S = 0.005
@@ -44,6 +44,7 @@ class _Stream:
 
     request_id: str
     loop: asyncio.AbstractEventLoop
+    delta: bool = False  # SamplingParams.output_kind DELTA: each output carries only what is new
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     last: RequestOutput | None = None
 
@@ -114,15 +115,17 @@ class AsyncLLMEngine:
             # one, which scans the vocabulary) would hold up every running request's steps; add_request then
             # finds the grammar in the compiler's cache
             await asyncio.to_thread(self.engine.grammars.compile, sampling_params.structured_outputs)
-        stream = _Stream(request_id, asyncio.get_running_loop())
+        delta = sampling_params is not None and sampling_params.output_kind is RequestOutputKind.DELTA
+        stream = _Stream(request_id, asyncio.get_running_loop(), delta)
         done = False
         try:
             await asyncio.wrap_future(
                 self._submit(self._add_request, stream, prompt, sampling_params, lora_request, priority))
             while True:
                 item = await stream.queue.get()
-                # outputs are cumulative, so a slow consumer may skip to the newest
-                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                # cumulative outputs: a slow consumer may skip to the newest (deltas: each one counts)
+                while (not delta and isinstance(item, RequestOutput) and not item.finished
+                       and not stream.queue.empty()):
                     item = stream.queue.get_nowait()
                 if isinstance(item, BaseException):
                     done = True
@@ -279,7 +282,7 @@ class AsyncLLMEngine:
         for request_id in self._aborting:  # aborted but not reported by the engine: end them here
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream.put(_aborted(request_id, stream.last))
+                stream.put(_aborted(request_id, stream.last, stream.delta))
         self._aborting.clear()
 
     def _close(self, closed: EngineDeadError, error: Callable[[], Exception]) -> None:
@@ -297,11 +300,18 @@ class AsyncLLMEngine:
         self._aborting.clear()
 
 
-def _aborted(request_id: str, last: RequestOutput | None) -> RequestOutput:
+def _aborted(request_id: str, last: RequestOutput | None, delta: bool = False) -> RequestOutput:
+    """The last output of a request aborted before the engine reported its end: the last one it did report,
+    its running completions ended by "abort" (with DELTA outputs, adding nothing to what came before)."""
     if last is None:
         return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], None, "abort")], True)
-    return replace(last, finished=True, outputs=[c if c.finish_reason else replace(c, finish_reason="abort")
-                                                 for c in last.outputs])
+
+    def ended(c: CompletionOutput) -> CompletionOutput:
+        if delta:
+            c = replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+        return c if c.finish_reason else replace(c, finish_reason="abort")
+
+    return replace(last, finished=True, outputs=[ended(c) for c in last.outputs])
 
 
 def _with_cause(error: Exception, cause: BaseException | None) -> Exception:

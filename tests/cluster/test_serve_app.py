@@ -138,6 +138,8 @@ def test_errors_and_python_handle(serve_app):
     assert result["finished"] and len(result["outputs"][0]["token_ids"]) == 4
     with pytest.raises(Exception, match="scheduling_policy"):  # priority travels apart from the sampling fields
         handle.generate.remote(prompt="hi", max_tokens=2, priority=2).result(timeout_s=120)
+    with pytest.raises(Exception, match="output_kind"):  # the replica streams deltas of cumulative outputs itself
+        handle.generate.remote(prompt="hi", max_tokens=2, output_kind=2).result(timeout_s=120)
     chunks = list(handle.options(stream=True).generate.remote(prompt="The quick brown fox", adapter="demo-sql",
                                                               max_tokens=4, temperature=0, stream=True))
     assert chunks[-1]["outputs"][0]["text"] == result["outputs"][0]["text"]

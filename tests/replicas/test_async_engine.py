@@ -100,6 +100,33 @@ def test_streams_of_deltas_and_of_the_final_output_only(demo, cases, reference):
     assert len(final) == 1 and final[0].finished and _final(final) == reference[0]
 
 
+def test_a_slow_consumer_of_deltas_loses_none_and_an_abort_adds_nothing(demo, cases, reference):
+    """Cumulative outputs that pile up may be skipped to the newest; deltas may not (CI once lost a step's
+    delta so). A consumer that reads only after the engine has run ahead gets every delta, and the output that
+    ends an aborted delta stream carries no text or tokens again."""
+    from replicas.sampling_params import RequestOutputKind
+
+    async def body(engine):
+        outs = []
+        async for out in engine.generate(cases[0][0], _greedy(output_kind=RequestOutputKind.DELTA), "slow"):
+            outs.append(out)
+            await asyncio.sleep(0.3)  # the engine runs several steps meanwhile
+        aborted = []
+        async for out in engine.generate(cases[0][0], SamplingParams(temperature=0.0, max_tokens=1500,
+                                         ignore_eos=True, output_kind=RequestOutputKind.DELTA), "long"):
+            aborted.append(out)
+            if len(aborted) == 2:
+                assert await engine.abort("long")
+        return outs, aborted
+
+    outs, aborted = run(demo, body)
+    assert ("".join(o.outputs[0].text for o in outs), [t for o in outs for t in o.outputs[0].token_ids]) == reference[0]
+    assert aborted[-1].finished and aborted[-1].outputs[0].finish_reason == "abort"
+    text, ids = "".join(o.outputs[0].text for o in aborted), [t for o in aborted for t in o.outputs[0].token_ids]
+    assert 2 <= len(ids) < len(reference[0][1])  # the same greedy start: nothing said twice
+    assert (text, ids) == (reference[0][0][:len(text)], reference[0][1][:len(ids)])
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])  # async: outputs a step later
 def test_concurrent_adapters_interleave(demo, cases, reference, async_scheduling):
     events = []
@@ -374,3 +401,19 @@ def test_structured_requests_compile_off_the_engine_thread(demo, cases, referenc
     # (kind, on the engine's thread): the choice first on a worker, then (a cache hit) by add_request
     assert [on for kind, on in threads if kind == "choice"] == [False, True]
     assert [on for kind, on in threads if kind == "regex"] == [False]  # refused before reaching the engine
+
+
+def test_an_abort_the_engine_did_not_report_ends_a_delta_stream_with_nothing_new():
+    """Where the engine never reported the abort, the stream's last output is made from the last one it did
+    report: a cumulative stream repeats it (as vLLM's does), a delta stream must not (it would add it twice)."""
+    from replicas.async_engine import _aborted
+    from replicas.outputs import CompletionOutput, RequestOutput
+
+    last = RequestOutput("r", "p", [1], [CompletionOutput(0, " sat", [97], [{97: -0.5}]),
+                                         CompletionOutput(1, "", [], [], "length")])
+    cumulative, delta = _aborted("r", last), _aborted("r", last, delta=True)
+    assert [(c.text, c.token_ids, c.finish_reason) for c in cumulative.outputs] == [(" sat", [97], "abort"),
+                                                                                     ("", [], "length")]
+    assert [(c.text, c.token_ids, c.logprobs, c.finish_reason) for c in delta.outputs] == [
+        ("", [], [], "abort"), ("", [], [], "length")]
+    assert cumulative.finished and delta.finished
