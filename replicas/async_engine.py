@@ -269,10 +269,6 @@ class AsyncLLMEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:  # its consumer has gone
                 continue
-            # the engine appends to its logprobs lists in place; the consumer gets its own copies
-            if any(c.logprobs is not None for c in out.outputs):
-                out = replace(out, outputs=[c if c.logprobs is None else replace(c, logprobs=list(c.logprobs))
-                                            for c in out.outputs])
             stream.last = out
             if out.finished:
                 del self._streams[out.request_id]

@@ -47,6 +47,7 @@ class RequestState:
         if seq.sampling_params.output_kind is RequestOutputKind.DELTA:
             start, text_start = self.sent_tokens, self.sent_text
             self.sent_tokens, self.sent_text = seq.num_output_tokens, len(self.detok.text)
+        # slices: copies the consumer owns, as the engine appends to its lists in place
         logprobs = self.logprobs[start:] if self.logprobs is not None else None
         completion = CompletionOutput(0, self.detok.text[text_start:], seq.output_token_ids[start:], logprobs,
                                       seq.finish_reason, seq.stop_reason)
