@@ -265,6 +265,10 @@ class AsyncLLMEngine:
             self._abort(stream.request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one call into each consumer loop for all of them (a call per
+        output cost the engine's thread ~10 us each: 0.34 ms a step at 32 requests, now 0.05 ms;
+        bench/stream_delivery.py)."""
+        batch: list[tuple[_Stream, RequestOutput | BaseException]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # its consumer has gone
@@ -274,12 +278,13 @@ class AsyncLLMEngine:
                 del self._streams[out.request_id]
                 self._aborting.discard(out.request_id)
             # a request that failed after it was accepted (its adapter's background load): its consumer gets the error
-            stream.put(out.error if out.error is not None else out)
+            batch.append((stream, out.error if out.error is not None else out))
         for request_id in self._aborting:  # aborted but not reported by the engine: end them here
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream.put(_aborted(request_id, stream.last, stream.delta))
+                batch.append((stream, _aborted(request_id, stream.last, stream.delta)))
         self._aborting.clear()
+        _put_all(batch)
 
     def _close(self, closed: EngineDeadError, error: Callable[[], Exception]) -> None:
         """Refuse new commands, then fail the pending ones and every in-flight request."""
@@ -294,6 +299,23 @@ class AsyncLLMEngine:
             stream.put(error())
         self._streams.clear()
         self._aborting.clear()
+
+
+def _put_all(batch: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """Each item into its stream's queue, in order, through one call_soon_threadsafe per consumer loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]] = {}
+    for stream, item in batch:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_now, items)
+        except RuntimeError:  # that loop is closed: nobody is listening any more
+            pass
+
+
+def _put_now(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
 
 
 def _aborted(request_id: str, last: RequestOutput | None, delta: bool = False) -> RequestOutput:

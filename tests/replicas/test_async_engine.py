@@ -417,3 +417,34 @@ def test_an_abort_the_engine_did_not_report_ends_a_delta_stream_with_nothing_new
     assert [(c.text, c.token_ids, c.logprobs, c.finish_reason) for c in delta.outputs] == [
         ("", [], [], "abort"), ("", [], [], "length")]
     assert cumulative.finished and delta.finished
+
+
+def test_a_steps_outputs_reach_streams_on_several_loops_in_order():
+    """_put_all: one call into each consumer loop per step, every item in its stream's order; a closed loop
+    (its consumer gone) costs the others nothing."""
+    from replicas.async_engine import _put_all, _Stream
+
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    threads = [threading.Thread(target=loop.run_forever, daemon=True) for loop in loops]
+    for t in threads:
+        t.start()
+    gone = asyncio.new_event_loop()
+    gone.close()
+    try:
+        streams = [_Stream(f"r{i}", loops[i % 2]) for i in range(5)] + [_Stream("gone", gone)]
+        for step in range(3):
+            _put_all([(s, (s.request_id, step)) for s in streams])
+
+        async def drain(s):
+            return [await s.queue.get() for _ in range(3)]
+
+        for s in streams[:-1]:
+            got = asyncio.run_coroutine_threadsafe(drain(s), s.loop).result(timeout=10)
+            assert got == [(s.request_id, step) for step in range(3)]
+    finally:
+        for loop in loops:
+            loop.call_soon_threadsafe(loop.stop)
+        for t in threads:
+            t.join(timeout=10)
+        for loop in loops:
+            loop.close()
