@@ -4,7 +4,8 @@ Two apps of one CPU replica each (the demo model), alike but for ServerConfig.st
 per engine step; 50 by default), started together and measured one after the other with the same requests:
 --streams concurrent streaming requests through the ingress's Python handle, --tokens each (ignore_eos,
 greedy), repeated --rounds times. Per app: generated tokens per second at the client, the items a request
-received, time to its first item p50 / p99 and to its last, and the ratios of the two apps.
+received, time to its first item p50 / p99 and to its last, and the ratios of the two apps. A first row runs
+the same requests on the engine alone (AsyncLLMEngine in this process, no Ray): what Serve costs.
 
     python bench/serve_stream.py --streams 16 --tokens 128
 
@@ -21,6 +22,8 @@ import statistics
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
@@ -36,12 +39,27 @@ async def one_stream(handle, tokens: int, prompt: str) -> dict:
                 tokens=len(last["outputs"][0]["token_ids"]))
 
 
-async def run_app(handle, args) -> dict:
-    await one_stream(handle, 4, "warm up")  # the replica's first request builds its graphs and caches
+async def one_engine_stream(engine, tokens: int, prompt: str) -> dict:
+    from replicas.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    first, items, last = None, 0, None
+    async for out in engine.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+                                     f"{prompt} {start}"):
+        items += 1
+        first = first or time.perf_counter() - start
+        last = out
+    return dict(first_s=first, total_s=time.perf_counter() - start, items=items,
+                tokens=len(last.outputs[0].token_ids))
+
+
+async def run_app(call, args) -> dict:
+    """call(tokens, prompt) -> one request's stats, through an app's handle or the engine alone."""
+    await call(4, "warm up")  # the first request builds graphs and caches
     results, wall = [], 0.0
     for r in range(args.rounds):
         t = time.perf_counter()
-        results += await asyncio.gather(*[one_stream(handle, args.tokens, f"Request {r}-{i}: once upon a time")
+        results += await asyncio.gather(*[call(args.tokens, f"Request {r}-{i}: once upon a time")
                                           for i in range(args.streams)])
         wall += time.perf_counter() - t
     firsts = sorted(x["first_s"] for x in results)
@@ -65,21 +83,23 @@ def main() -> None:
     from cluster.app import build_app
 
     apps = {"every step": 0.0, f"{args.interval_ms:g} ms": args.interval_ms}
+    engine_settings = dict(max_num_seqs=max(16, args.streams), enable_prefix_caching=False)
+    rows = {"engine alone": asyncio.run(engine_alone(engine_settings, args))}
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
         serve.start(proxy_location="Disabled")
         targets = []
         for i, interval in enumerate(apps.values()):
-            server = dict(model="demo", stream_interval_ms=interval,
-                          engine=dict(max_num_seqs=max(16, args.streams), enable_prefix_caching=False))
+            server = dict(model="demo", stream_interval_ms=interval, engine=engine_settings)
             replica = dict(num_replicas=1, max_ongoing_requests=4 * args.streams,
                            ray_actor_options={"num_cpus": 0.5})
             app = build_app(dict(server=server, replica=replica, ingress={"ray_actor_options": {"num_cpus": 0.25}},
                                  tier={"registry_dir": f"/tmp/lorafleet-serve-stream-{os.getpid()}-{i}"}))
             targets.append(serve.RunTarget(app, name=f"stream-{i}", route_prefix=None))
         handles = serve.run_many(targets)
-        rows = {name: asyncio.run(run_app(handle, args)) for name, handle in zip(apps, handles)}
+        for name, handle in zip(apps, handles):
+            rows[name] = asyncio.run(run_app(lambda tokens, prompt: one_stream(handle, tokens, prompt), args))
     finally:
         ray.shutdown()
 
@@ -88,10 +108,27 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:12} {r['tok_s']:8.1f} {r['items']:10.1f} {r['first_p50']:13.1f} {r['first_p99']:13.1f} "
               f"{r['total_p50']:12.1f}")
-    every, coalesced = rows.values()
+    alone, every, coalesced = rows.values()
     ratios = {key: coalesced[key] / every[key] for key in ("tok_s", "items", "first_p50", "total_p50")}
     print(f"coalesced / every step: tok/s x{ratios['tok_s']:.2f}  items x{ratios['items']:.2f}  "
           f"first p50 x{ratios['first_p50']:.2f}  last p50 x{ratios['total_p50']:.2f}")
+    print(f"coalesced / engine alone: tok/s x{coalesced['tok_s'] / alone['tok_s']:.2f}  "
+          f"first p50 x{coalesced['first_p50'] / alone['first_p50']:.2f}")
+
+
+async def engine_alone(settings: dict, args) -> dict:
+    """The same requests on AsyncLLMEngine in this process, with the engine settings a replica gets."""
+    from cluster.server import ServerConfig
+    from replicas.async_engine import AsyncLLMEngine
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+
+    torch.set_num_threads(1)  # as the replicas' OMP_NUM_THREADS=1
+    engine = AsyncLLMEngine.from_engine_args(
+        ServerConfig(engine=settings).engine_args(str(ensure_demo_checkpoint().model_dir)))
+    try:
+        return await run_app(lambda tokens, prompt: one_engine_stream(engine, tokens, prompt), args)
+    finally:
+        await engine.shutdown()
 
 
 if __name__ == "__main__":

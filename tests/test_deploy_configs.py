@@ -82,6 +82,14 @@ def test_cluster_launcher_validates():
     assert any("serve deploy" in cmd and "deploy/config.gpu.yaml" in cmd for cmd in config["head_start_ray_commands"])
 
 
+def test_the_ingress_holds_many_open_requests_unless_told_otherwise():
+    """Serve's default max_ongoing_requests (5) would queue the sixth concurrent stream at the ingress."""
+    from cluster.app import INGRESS_MAX_ONGOING, build_app
+
+    assert build_app()._bound_deployment.max_ongoing_requests == INGRESS_MAX_ONGOING >= 256
+    assert build_app({"ingress": {"max_ongoing_requests": 32}})._bound_deployment.max_ongoing_requests == 32
+
+
 @pytest.mark.parametrize("name", SERVE_CONFIGS)
 def test_app_args_match_the_code(name):
     """The args name real fields: build_app takes them (Serve options), and ServerConfig, EngineArgs and
