@@ -25,6 +25,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.deployments import Ingress, LoRAReplica
 from cluster.grpc_ingress import GRPC_SERVICER_FUNCTIONS
+from replicas.engine_args import EngineArgs
 
 __all__ = ["build_app", "GRPC_SERVICER_FUNCTIONS"]
 
@@ -56,6 +57,14 @@ def build_app(args: dict[str, Any] | None = None):
     server = dict(args.get("server") or {"model": "demo"})
     tier = {**DEFAULT_TIER, **(args.get("tier") or {})}
     replica_options = dict(args.get("replica") or {})
+    # a replica takes as many requests as its engine batches, not Serve's default of 5 (a batch of 5 at most)
+    replica_options.setdefault("max_ongoing_requests", int((server.get("engine") or {}).get(
+        "max_num_seqs", EngineArgs.max_num_seqs)))
+    autoscaling = replica_options.get("autoscaling_config")
+    if isinstance(autoscaling, dict) and "target_ongoing_requests" not in autoscaling:
+        # the router's busy point, not Serve's default of 2 (a replica added for every 2 requests)
+        replica_options["autoscaling_config"] = {
+            **autoscaling, "target_ongoing_requests": max(1, replica_options["max_ongoing_requests"] // 2)}
     tensor_parallel_options(server, replica_options)
     router = RequestRouterConfig(
         request_router_class="cluster.router.AdapterAffinityRouter",

@@ -82,12 +82,32 @@ def test_cluster_launcher_validates():
     assert any("serve deploy" in cmd and "deploy/config.gpu.yaml" in cmd for cmd in config["head_start_ray_commands"])
 
 
-def test_the_ingress_holds_many_open_requests_unless_told_otherwise():
-    """Serve's default max_ongoing_requests (5) would queue the sixth concurrent stream at the ingress."""
+def test_the_ingress_and_replicas_take_more_than_serves_five_unless_told_otherwise():
+    """Serve's default max_ongoing_requests (5) would queue the sixth concurrent stream at the ingress, and cap
+    each replica's batch at 5: the ingress takes INGRESS_MAX_ONGOING, a replica its engine's max_num_seqs."""
     from cluster.app import INGRESS_MAX_ONGOING, build_app
+    from replicas.engine_args import EngineArgs
 
-    assert build_app()._bound_deployment.max_ongoing_requests == INGRESS_MAX_ONGOING >= 256
-    assert build_app({"ingress": {"max_ongoing_requests": 32}})._bound_deployment.max_ongoing_requests == 32
+    def limits(args):
+        ingress = build_app(args)._bound_deployment
+        replica = ingress.init_args[0]._bound_deployment  # the LoRAReplica the ingress is bound to
+        return ingress.max_ongoing_requests, replica.max_ongoing_requests
+
+    assert limits(None) == (INGRESS_MAX_ONGOING, EngineArgs.max_num_seqs) and INGRESS_MAX_ONGOING >= 256
+    assert limits({"server": {"model": "demo", "engine": {"max_num_seqs": 24}}}) == (INGRESS_MAX_ONGOING, 24)
+    assert limits({"ingress": {"max_ongoing_requests": 32}, "replica": {"max_ongoing_requests": 8}}) == (32, 8)
+
+
+@pytest.mark.parametrize("given,target", [({}, 32), ({"target_ongoing_requests": 5}, 5)])
+def test_autoscaling_aims_at_the_routers_busy_point_unless_told_otherwise(given, target):
+    """Serve's default target (2 requests a replica) would add a replica for every 2 requests of a batching
+    engine; unset, the target is half of max_ongoing_requests (where the router calls a replica busy)."""
+    from cluster.app import build_app
+
+    args = {"replica": {"max_ongoing_requests": 64, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4,
+                                                                         **given}}}
+    replica = build_app(args)._bound_deployment.init_args[0]._bound_deployment
+    assert replica._deployment_config.autoscaling_config.target_ongoing_requests == target
 
 
 @pytest.mark.parametrize("name", SERVE_CONFIGS)

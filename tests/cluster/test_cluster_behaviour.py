@@ -106,7 +106,9 @@ def _app_args(registry: Path, adapter_root: Path, replica: dict) -> dict:
         "server": {"model": "demo", "default_max_tokens": 8, "engine": ENGINE},
         "tier": {"capacity_bytes": 1 << 28, "registry_dir": str(registry),
                  "sources": {"allowed_local_roots": [str(adapter_root)]}},
+        # max_ongoing_requests 5: a replica busy at 3 in flight, so a few concurrent requests spread an adapter
         "replica": {"ray_actor_options": {"num_cpus": 0.25}, "routing_stats_period_s": STATS_PERIOD_S,
+                    "max_ongoing_requests": 5,
                     "graceful_shutdown_timeout_s": 2, "graceful_shutdown_wait_loop_s": 0.5, **replica},
         "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
     }
@@ -261,7 +263,7 @@ def test_hot_adapter_spreads_under_load(cluster):
     _complete(cluster.base, "hot")
     time.sleep(SETTLE_S)
     assert len(_holders("hot")) == 1
-    # 9 concurrent requests: a replica is busy at ceil(5 * 0.5) = 3 in flight (Serve's max_ongoing_requests 5).
+    # 9 concurrent requests: a replica is busy at ceil(5 * 0.5) = 3 in flight (max_ongoing_requests 5).
     _concurrently([lambda: _complete(cluster.base, "hot", max_tokens=48, ignore_eos=True) for _ in range(9)])
     time.sleep(SETTLE_S)
     holders = _holders("hot")
