@@ -17,7 +17,6 @@ import asyncio
 import dataclasses
 import os
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -28,7 +27,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.adapter_tier_actor import get_adapter, get_or_create_adapter_tier
 from cluster.api import build_api
 from cluster.errors import OverloadedError
-from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced
+from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced, output_dict
 from cluster.response_store_actor import SharedResponses, get_or_create_response_store
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
@@ -239,7 +238,7 @@ class Ingress:
         last = None
         async for out in outputs:
             last = out
-        return None if last is None else asdict(last)
+        return None if last is None else output_dict(last)
 
     # gRPC (cluster/proto/lorafleet.proto): Serve's gRPC proxy calls the methods named after the RPCs.
     async def Generate(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
@@ -258,7 +257,7 @@ class Ingress:
 
 async def _relay(outputs) -> AsyncIterator[dict]:
     async for out in outputs:
-        yield asdict(out)
+        yield output_dict(out)
 
 
 async def _decoded(items) -> AsyncIterator[Any]:

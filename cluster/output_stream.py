@@ -102,6 +102,14 @@ class DeltaDecoder:
                                 held["stop_reason"])
 
 
+def output_dict(out: RequestOutput) -> dict:
+    """dataclasses.asdict(out) without its deep copy (the Python handle's answer: Ray pickles it for the
+    caller anyway, and asdict of a 1,000-token output with logprobs took 11 ms on the ingress's loop)."""
+    fields = {name: getattr(out, name) for name in out.__dataclass_fields__}
+    fields["outputs"] = [{name: getattr(c, name) for name in c.__dataclass_fields__} for c in out.outputs]
+    return fields
+
+
 def _grow(held, gained, whole: bool):
     """held extended by gained (a list in place; text), or gained itself where it was sent whole (or is the
     first). The lists are the decoder's own (unpickled for it), and outputs get copies of them."""

@@ -62,6 +62,16 @@ def test_the_decoded_stream_is_the_engines_cumulative_one(engine, demo_checkpoin
             assert sent == final.token_ids
 
 
+def test_output_dict_is_asdict_without_the_copy(engine, demo_checkpoint):
+    from dataclasses import asdict
+
+    from cluster.output_stream import output_dict
+
+    outs = [out for outs in _engine_outputs(engine, demo_checkpoint).values() for out in outs]
+    assert all(output_dict(out) == asdict(out) for out in outs)
+    assert output_dict(outs[-1])["outputs"][0]["token_ids"] is outs[-1].outputs[0].token_ids
+
+
 def test_the_decoded_outputs_own_their_lists():
     """A consumer that keeps an output sees it unchanged as later ones arrive (the engine's are copies too)."""
     def out(ids: list[int], text: str) -> RequestOutput:
