@@ -34,6 +34,7 @@ DEFAULT_TIER = dict(capacity_bytes=2 << 30, registry_dir=os.path.expanduser("~/.
 # request behind the first five's whole answers (bench/serve_stream.py: 16 streams, TTFT p50 0.9 s against 17 ms
 # on the engine alone).
 INGRESS_MAX_ONGOING = 1024
+REPLICA_GRACEFUL_SHUTDOWN_S = 60.0
 
 
 def tensor_parallel_options(server: dict[str, Any], replica_options: dict[str, Any]) -> None:
@@ -60,6 +61,9 @@ def build_app(args: dict[str, Any] | None = None):
     # a replica takes as many requests as its engine batches, not Serve's default of 5 (a batch of 5 at most)
     replica_options.setdefault("max_ongoing_requests", int((server.get("engine") or {}).get(
         "max_num_seqs", EngineArgs.max_num_seqs)))
+    # a replica removed (downscale, redeploy) lets its running answers finish: Serve's default, 20 s, cut
+    # streams of a few hundred tokens at a busy replica's pace
+    replica_options.setdefault("graceful_shutdown_timeout_s", REPLICA_GRACEFUL_SHUTDOWN_S)
     autoscaling = replica_options.get("autoscaling_config")
     if isinstance(autoscaling, dict) and "target_ongoing_requests" not in autoscaling:
         # the router's busy point, not Serve's default of 2 (a replica added for every 2 requests)

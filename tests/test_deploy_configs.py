@@ -98,6 +98,18 @@ def test_the_ingress_and_replicas_take_more_than_serves_five_unless_told_otherwi
     assert limits({"ingress": {"max_ongoing_requests": 32}, "replica": {"max_ongoing_requests": 8}}) == (32, 8)
 
 
+def test_a_removed_replica_lets_running_answers_finish_unless_told_otherwise():
+    """Serve's default (20 s) would cut a busy replica's longer streams when autoscaling removes it."""
+    from cluster.app import REPLICA_GRACEFUL_SHUTDOWN_S, build_app
+
+    def grace(replica):
+        return build_app({"replica": replica})._bound_deployment.init_args[0]._bound_deployment \
+            ._deployment_config.graceful_shutdown_timeout_s
+
+    assert grace({}) == REPLICA_GRACEFUL_SHUTDOWN_S > 20
+    assert grace({"graceful_shutdown_timeout_s": 2}) == 2
+
+
 @pytest.mark.parametrize("given,target", [({}, 32), ({"target_ongoing_requests": 5}, 5)])
 def test_autoscaling_aims_at_the_routers_busy_point_unless_told_otherwise(given, target):
     """Serve's default target (2 requests a replica) would add a replica for every 2 requests of a batching
