@@ -82,15 +82,22 @@ def test_cluster_launcher_validates():
     assert any("serve deploy" in cmd and "deploy/config.gpu.yaml" in cmd for cmd in config["head_start_ray_commands"])
 
 
+def _deployments(args):
+    """build_app(args)'s (Ingress, LoRAReplica) deployments, as Serve would run them (nothing starts)."""
+    from cluster.app import build_app
+
+    ingress = build_app(args)._bound_deployment
+    return ingress, ingress.init_args[0]._bound_deployment  # the LoRAReplica the ingress is bound to
+
+
 def test_the_ingress_and_replicas_take_more_than_serves_five_unless_told_otherwise():
     """Serve's default max_ongoing_requests (5) would queue the sixth concurrent stream at the ingress, and cap
     each replica's batch at 5: the ingress takes INGRESS_MAX_ONGOING, a replica its engine's max_num_seqs."""
-    from cluster.app import INGRESS_MAX_ONGOING, build_app
+    from cluster.app import INGRESS_MAX_ONGOING
     from replicas.engine_args import EngineArgs
 
     def limits(args):
-        ingress = build_app(args)._bound_deployment
-        replica = ingress.init_args[0]._bound_deployment  # the LoRAReplica the ingress is bound to
+        ingress, replica = _deployments(args)
         return ingress.max_ongoing_requests, replica.max_ongoing_requests
 
     assert limits(None) == (INGRESS_MAX_ONGOING, EngineArgs.max_num_seqs) and INGRESS_MAX_ONGOING >= 256
@@ -100,11 +107,10 @@ def test_the_ingress_and_replicas_take_more_than_serves_five_unless_told_otherwi
 
 def test_a_removed_replica_lets_running_answers_finish_unless_told_otherwise():
     """Serve's default (20 s) would cut a busy replica's longer streams when autoscaling removes it."""
-    from cluster.app import REPLICA_GRACEFUL_SHUTDOWN_S, build_app
+    from cluster.app import REPLICA_GRACEFUL_SHUTDOWN_S
 
     def grace(replica):
-        return build_app({"replica": replica})._bound_deployment.init_args[0]._bound_deployment \
-            ._deployment_config.graceful_shutdown_timeout_s
+        return _deployments({"replica": replica})[1]._deployment_config.graceful_shutdown_timeout_s
 
     assert grace({}) == REPLICA_GRACEFUL_SHUTDOWN_S > 20
     assert grace({"graceful_shutdown_timeout_s": 2}) == 2
@@ -114,11 +120,9 @@ def test_a_removed_replica_lets_running_answers_finish_unless_told_otherwise():
 def test_autoscaling_aims_at_the_routers_busy_point_unless_told_otherwise(given, target):
     """Serve's default target (2 requests a replica) would add a replica for every 2 requests of a batching
     engine; unset, the target is half of max_ongoing_requests (where the router calls a replica busy)."""
-    from cluster.app import build_app
-
     args = {"replica": {"max_ongoing_requests": 64, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4,
                                                                          **given}}}
-    replica = build_app(args)._bound_deployment.init_args[0]._bound_deployment
+    replica = _deployments(args)[1]
     assert replica._deployment_config.autoscaling_config.target_ongoing_requests == target
 
 
