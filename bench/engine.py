@@ -346,13 +346,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     bases: dict[str, dict] = {}  # variant ("" = default) -> its base row
 
+    def base_of(variant: str) -> dict:
+        def settings(v: str) -> dict:
+            return {k: x for k, x in (a.variants.get(v) or {}).items() if not k.startswith("lora_")}
+        if variant in bases:
+            return bases[variant]
+        return next((row for v, row in bases.items() if settings(v) == settings(variant)), bases[""])
+
     def emit(row: dict) -> None:
         variant = row["scenario"].partition("+")[2]
         if row.get("rank") == 0:
             bases[variant] = row
         if "decode_ms" in row:
-            # LoRA rows against the base row of their own engine settings; base twins against the default
-            base = bases[""] if row["rank"] == 0 else bases.get(variant, bases[""])
+            # LoRA rows against the base row of their own engine settings (or of a variant that differs in LoRA
+            # fields only: f8s's rows against base+f8); base twins against the default
+            base = bases[""] if row["rank"] == 0 else base_of(variant)
             row = add_physics(row, base, shape, esize, bw, a.tp, a.variants.get(variant))
         row = dict(row, device=name, copy_tb_s=bw / 1e12)
         rows.append(row)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -123,6 +123,10 @@ class LoRAModelManager:
         # Adapter images copied from host memory into slots: on the calling (step's) stream, which the step waits
         # for, and on a side stream (prefetches under a running step). For benchmarks.
         self.host_copies = {"in_step": 0, "ahead": 0}
+        # Called with a slot's index once its image is written (an install or a compaction move), on the stream
+        # that wrote it and before its ranks: for copies of the slot kept elsewhere in another form (FP8 A rows
+        # under FP8 base weights: replicas/fp8_lora.py).
+        self.on_slot_write: Callable[[int], None] | None = None
         self._host: HostLRUCache[int, HostAdapter] = HostLRUCache(
             lora_config.max_cpu_loras, can_evict=lambda i: i not in self._running, on_evict=self._on_host_evict)
 
@@ -320,6 +324,8 @@ class LoRAModelManager:
             self._arena[slot].copy_(self._arena[old], non_blocking=True)
             for dst, src in (zip(self._stacked_dst[slot], self._stacked_dst[old]) if self._stacked_a else ()):
                 dst.copy_(src, non_blocking=True)
+            if self.on_slot_write is not None:
+                self.on_slot_write(slot)
             self._ranks[:, :, slot].copy_(self._ranks[:, :, old], non_blocking=True)
             self._ranks[:, :, old] = 0
         self._slots[old], self._slots[slot] = None, lora_id
@@ -361,6 +367,8 @@ class LoRAModelManager:
             if self._stacked_a:
                 for dst, src in zip(self._stacked_dst[slot], self.layout.image_a_all(adapter.slab)):
                     dst.copy_(src, non_blocking=True)
+            if self.on_slot_write is not None:
+                self.on_slot_write(slot)
             self._ranks[:, :, slot].copy_(adapter.ranks, non_blocking=True)
             if adapter.block is not None and self._pin_host:
                 adapter.block.record()  # the pool hands the block out again only after these copies

@@ -41,8 +41,10 @@ from lora_core.punica import PunicaWrapper
 from lora_core.punica.pending import PendingExpand
 from lora_core.stacked_a import a_rows, stack_bias, stack_weight
 from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from replicas.fp8_lora import stack_scales
 from replicas.layers.gemm import linear
 from replicas.layers.linear import ColumnParallelLinear, RowParallelLinear
+from replicas.quantization import fp8_linear
 
 
 @dataclass
@@ -53,21 +55,40 @@ class StackedWeight:
     out: int
     per_slot: int  # A rows of one slot: slices x max_lora_rank
     a_rows: torch.Tensor  # [slots, S, R, in] view of the A rows, as LoRAModelManager takes them
+    # FP8 weights (replicas/fp8_lora.py): every row's float32 scale, the layer's weight_scale a view of the first
+    # out; the A rows are FP8 copies of the manager's slots, which then keeps its own A
+    scale: torch.Tensor | None = None
+
+    def gemm(self, x: torch.Tensor, rows: int, input_scale: torch.Tensor | None) -> torch.Tensor:
+        """x @ the first `rows` rows^T (+ their bias): the base output and the shrink of the slots they hold."""
+        bias = None if self.bias is None else self.bias[:rows]
+        if self.scale is None:
+            return linear(x, self.weight[:rows], bias)
+        return fp8_linear(x, self.weight[:rows], self.scale[:rows], bias, input_scale)
 
 
 def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: torch.device, tp_size: int,
                        dtype: torch.dtype | None = None, quantized: bool = False) -> int:
     """EngineArgs.lora_stacked_max_tokens resolved: None is 256 on CUDA and 0 (off) elsewhere. Off with
-    fully_sharded_loras under TP, whose ranks hold part of each A row, with a lora_dtype other than the
-    model's dtype (one GEMM reads both), and with FP8 base weights; asking for it there raises."""
+    fully_sharded_loras under TP, whose ranks hold part of each A row, and with a lora_dtype other than the
+    model's dtype (one GEMM reads both); asking for it there raises. Over FP8 base weights None is 0: the
+    stacked shrink's products are then FP8's (replicas/fp8_lora.py), so it runs only when asked for, and in
+    bfloat16 on CUDA with slots of a rank that is a multiple of 16 (cuBLASLt's FP8 GEMM takes weights in such
+    rows; float32 runs the reference GEMM)."""
     sharded = lora_config.fully_sharded_loras and tp_size > 1
     mixed = dtype is not None and lora_config.slot_dtype(dtype) != dtype
-    if sharded or mixed or quantized:
+    if sharded or mixed:
         if requested:
             raise LoRAConfigError("lora_stacked_max_tokens needs whole A rows on every rank in the model's dtype: "
                                   "not with fully_sharded_loras and tensor_parallel_size > 1, nor another "
-                                  "lora_dtype, nor quantization")
+                                  "lora_dtype")
         return 0
+    if quantized:
+        cublas = device.type == "cuda" and dtype in (None, torch.bfloat16)
+        if requested and cublas and lora_config.max_lora_rank % 16:
+            raise LoRAConfigError(f"lora_stacked_max_tokens over FP8 weights on CUDA needs a max_lora_rank that is "
+                                  f"a multiple of 16 (the FP8 GEMM's rows), got {lora_config.max_lora_rank}")
+        return requested or 0
     if requested is None:
         return 256 if device.type == "cuda" else 0
     return requested
@@ -82,14 +103,17 @@ FUSED_MAX_ADAPTERS = (("H100", 16),)
 FUSED_MAX_ADAPTERS_ELSE = 4
 
 
-def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank: int, device_name: str = "") -> int:
+def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank: int, device_name: str = "",
+                       quantized: bool = False) -> int:
     """EngineArgs.lora_fused_max_adapters resolved: None is FUSED_MAX_ADAPTERS' value for the device (by name)
     where stacked steps run with rank-16 slots (the one launch's measured settings, lora_gemm.tiling), else 0;
-    asking for it without stacked weights (it reads their A rows) or with other slot ranks raises."""
-    if not stacked_tokens or max_lora_rank != 16:
+    asking for it without stacked weights (it reads their A rows), with other slot ranks or over FP8 weights
+    (its GEMM is bfloat16's) raises."""
+    if not stacked_tokens or max_lora_rank != 16 or quantized:
         if requested:
-            raise LoRAConfigError("lora_fused_max_adapters reads the stacked A rows of rank-16 slots: it needs "
-                                  f"lora_stacked_max_tokens and max_lora_rank 16 (got {max_lora_rank})")
+            raise LoRAConfigError("lora_fused_max_adapters reads the stacked A rows of rank-16 slots in the model's "
+                                  f"dtype: it needs lora_stacked_max_tokens, max_lora_rank 16 (got {max_lora_rank}) "
+                                  "and no quantization")
         return 0
     if requested is not None:
         return requested
@@ -143,7 +167,9 @@ def stack_lora_weights(model: nn.Module, specs: list[LoRAModuleSpec], lora_confi
         if isinstance(base, ColumnParallelLinear) and base.bias is not None:
             bias = stack_bias(base.bias.data, stacked)
             base.bias = nn.Parameter(bias[:rows], requires_grad=False)
-        out[spec.name] = StackedWeight(stacked, bias, rows, slices * rank, a_rows(stacked, rows, slots, slices, rank))
+        scale = stack_scales(base, stacked.shape[0]) if base.quantized else None
+        out[spec.name] = StackedWeight(stacked, bias, rows, slices * rank, a_rows(stacked, rows, slots, slices, rank),
+                                       scale)
     return out
 
 
@@ -190,13 +216,12 @@ class _LoRAWrapper(nn.Module):
         bound = self.punica.stacked_rows() if self.stacked is not None else None
         if bound is not None:
             st = self.stacked
-            if st.bias is None and b.bias is None:  # small steps of few adapters: the site in one launch
+            if st.bias is None and b.bias is None and st.scale is None:  # few adapters: the site in one launch
                 y = self.punica.add_lora_gemm(x, st.weight[:st.out], st.a_rows, b.lora_b, b.output_slices)
                 if y is not None:
                     return y, y, None
             # One GEMM for the base output and every slot's shrink below the step's slot bound.
-            rows = st.out + bound * st.per_slot
-            out = linear(x, st.weight[:rows], None if st.bias is None else st.bias[:rows])
+            out = st.gemm(x, st.out + bound * st.per_slot, self.base.input_scale)
             y = out[:, :st.out]
             pending = self.punica.pending_expand(y, out[:, st.out:], b.lora_b, b.output_slices, b.ranks, b.bias) \
                 if defer else None

@@ -18,6 +18,7 @@ from lora_core.pinned_pool import physical_memory_bytes
 from lora_core.punica import PunicaWrapper
 from lora_core.stacked_a import max_idle_slots
 from replicas.adapter_loads import AdapterLoads, load_processes_for, load_processes_with_pool
+from replicas.fp8_lora import FP8ARows
 from replicas.lora_layers import (add_lora, fused_max_adapters, lora_module_specs, pending_max_tokens,
                                   stack_lora_weights, stacked_max_tokens)
 from replicas.lora_merge import LoRAMerger, merger_for
@@ -38,12 +39,15 @@ class LoRAStack:
 def build_lora(model: torch.nn.Module, cfg: "RunnerConfig", ctx: ParallelContext, device: torch.device,
                dtype: torch.dtype, quantized: bool = False) -> LoRAStack:
     """Add LoRA to model's linear layers (cfg.lora_config set) and build what serves adapters on this rank.
-    quantized: the linear layers' weights are FP8 (no merging, no stacked path)."""
+    quantized: the linear layers' weights are FP8 (no merging; the stacked path only when asked for, with FP8
+    copies of the A rows: replicas/fp8_lora.py)."""
     lora_config = cfg.lora_config
     specs = lora_module_specs(model)
     stacked_tokens = stacked_max_tokens(cfg.lora_stacked_max_tokens, lora_config, device, ctx.tp_size, dtype,
                                         quantized)
     stacked = stack_lora_weights(model, specs, lora_config) if stacked_tokens else {}
+    # over FP8 weights the stacked rows are FP8 copies of the manager's own A slots (FP8ARows)
+    stacked_a = {name: s.a_rows for name, s in stacked.items()} if stacked and not quantized else None
     # Every adapter alive at once: the host LRU's, one per load in flight, one kept for room (AdapterLoads).
     processes = load_processes_for(cfg.lora_load_processes, device)
     blocks = lora_config.max_cpu_loras + AdapterLoads.threads_for(processes) + 1
@@ -52,9 +56,11 @@ def build_lora(model: torch.nn.Module, cfg: "RunnerConfig", ctx: ParallelContext
     manager = LoRAModelManager(specs, lora_config, device, dtype, ctx.tp_rank, ctx.tp_size,
                                host_pool_blocks=blocks if cfg.lora_host_pool else 0,
                                host_pool_max_bytes=host // 4 // ctx.tp_size if host else None,
-                               stacked_a={name: s.a_rows for name, s in stacked.items()} or None,
+                               stacked_a=stacked_a,
                                host_pool_shared=processes > 0,
                                compact_slots=bool(stacked) and cfg.lora_compact_slots)
+    if quantized and stacked:
+        manager.on_slot_write = FP8ARows(manager, stacked)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     # LM-head rows: a step's sampled rows, and the rows that give prompt logprobs (up to every token's)
     punica = PunicaWrapper(cfg.max_num_batched_tokens, lora_config.max_loras, device,
@@ -62,7 +68,7 @@ def build_lora(model: torch.nn.Module, cfg: "RunnerConfig", ctx: ParallelContext
                            stacked_max_tokens=stacked_tokens,
                            stacked_max_idle_slots=max_idle_slots(lora_config.max_lora_rank),
                            fused_max_adapters=fused_max_adapters(cfg.lora_fused_max_adapters, stacked_tokens,
-                                                                 lora_config.max_lora_rank, device_name),
+                                                                 lora_config.max_lora_rank, device_name, quantized),
                            pending_max_tokens=pending_max_tokens(cfg.lora_pending_max_tokens, stacked_tokens,
                                                                  lora_config.max_lora_rank),
                            pending_min_adapters=cfg.lora_pending_min_adapters)

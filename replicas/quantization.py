@@ -15,8 +15,9 @@ loads it, and each GEMM's input as it runs:
 
 What stays in the model's dtype: embeddings, the LM head, norms, and every LoRA (the adapters' shrink and
 expand read the unquantized input, as vLLM's LoRA over FP8 does). A quantized layer cannot merge an adapter
-into its weights (replicas/lora_merge.py) nor stack adapters' A rows beside them (lora_stacked_max_tokens):
-the engine turns both off.
+into its weights (replicas/lora_merge.py): the engine turns merging off. Adapters' A rows stacked beside its
+weight run only when asked for (lora_stacked_max_tokens), as FP8 rows whose shrink is then FP8's
+(replicas/fp8_lora.py).
 """
 
 from __future__ import annotations
@@ -80,6 +81,19 @@ def quantize_rows(t: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[
     scales = row_scales(t) if scales is None else scales
     q = (t.float() / scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scales
+
+
+def quantize_rows_into(t: torch.Tensor, out: torch.Tensor, out_scales: torch.Tensor) -> None:
+    """quantize_rows(t) written into out (float8 [rows, K]) and out_scales (float32 [rows]): by one Triton launch
+    for a CUDA tensor, else in torch."""
+    if t.is_cuda:
+        from replicas.kernels.fp8 import quantize_rows as quantize_on_gpu  # triton: CUDA only here
+
+        quantize_on_gpu(t, out=out, out_scales=out_scales)
+        return
+    q, scales = quantize_rows(t)
+    out.copy_(q)
+    out_scales.copy_(scales)
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -46,14 +46,19 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, width, x_stride, 
         tl.store(q_row + cols, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=cols < width)
 
 
-def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  out_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, K] (rows may be strided) -> (float8 [rows, K], float32 scales [rows]); static: one float32
-    scale for every row (a checkpoint's input_scale), else each row's own."""
+    scale for every row (a checkpoint's input_scale), else each row's own. out / out_scales: written into
+    (contiguous), else new."""
     rows, width = x.shape
     if x.stride(1) != 1:
         raise ValueError("quantize_rows: each row must be contiguous")
-    q = torch.empty((rows, width), dtype=FP8, device=x.device)
-    scales = torch.empty(rows, dtype=torch.float32, device=x.device)
+    q = torch.empty((rows, width), dtype=FP8, device=x.device) if out is None else out
+    scales = torch.empty(rows, dtype=torch.float32, device=x.device) if out_scales is None else out_scales
+    if not (q.is_contiguous() and scales.is_contiguous()) or q.shape != x.shape or scales.shape != (rows,):
+        raise ValueError(f"quantize_rows: out {tuple(q.shape)} / out_scales {tuple(scales.shape)} must be contiguous "
+                         f"and fit x {tuple(x.shape)}")
     if rows:
         block = min(triton.next_power_of_2(width), MAX_BLOCK)
         _quantize_rows_kernel[(rows,)](x, q, scales, scales if static is None else static, width, x.stride(0),

@@ -119,11 +119,11 @@ def write_peft_adapter(model_dir: Path, out: Path, seed: int, **lora_config: Any
 
 
 def peft_greedy_reference(model_dir: Path, adapters: dict[str, Path], prompts: list[str],
-                          names: list[str | None], steps: int, patch: Callable | None = None
-                          ) -> list[tuple[list[int], list[float]]]:
+                          names: list[str | None], steps: int, patch: Callable | None = None,
+                          patch_peft: Callable | None = None) -> list[tuple[list[int], list[float]]]:
     """Greedy (tokens, their logprobs) from transformers + PEFT, one request at a time, every step computed over the
     whole sequence (no KV cache); names[i] None: the base model (adapters may then be empty: no PEFT).
-    patch(model): changes the transformers model before PEFT wraps it."""
+    patch(model): changes the transformers model before PEFT wraps it; patch_peft(model) the PEFT model."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,6 +138,8 @@ def peft_greedy_reference(model_dir: Path, adapters: dict[str, Path], prompts: l
         model = PeftModel.from_pretrained(model, adapters[first], adapter_name=first)
         for name in rest:
             model.load_adapter(adapters[name], adapter_name=name)
+        if patch_peft is not None:
+            patch_peft(model)
     results = []
     for prompt, name in zip(prompts, names):
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -173,11 +175,13 @@ def write_peft_adapters(model_dir: Path, root: Path, first_seed: int, configs: d
 def generate_against_peft(model_dir: Path, adapters: dict[str, Path], prompts: list[str],
                           names: list[str | None], steps: int, tp: int = 1, fully_sharded: bool = False,
                           patch: Callable | None = None, tolerance: float | None = None,
-                          reference_dir: Path | None = None, **engine: Any) -> list:
+                          reference_dir: Path | None = None, patch_peft: Callable | None = None,
+                          **engine: Any) -> list:
     """The engine's greedy outputs (LoRA at rank up to 8, two slots; TP over the GPUs where there are tp of
     them, else gloo) for prompts under names (None: the base model), each asserted equal to transformers +
     PEFT's tokens, logprobs within 2e-3 (2e-2 on a GPU, whose float32 dots run in TF32) or tolerance. engine:
-    more LLM arguments; patch: peft_greedy_reference's, on the checkpoint at reference_dir (default model_dir)."""
+    more LLM arguments; patch, patch_peft: peft_greedy_reference's, on the checkpoint at reference_dir (default
+    model_dir)."""
     from lora_core.request import LoRARequest
     from replicas.llm import LLM
     from replicas.sampling_params import SamplingParams
@@ -191,7 +195,7 @@ def generate_against_peft(model_dir: Path, adapters: dict[str, Path], prompts: l
         outputs = llm.generate(prompts, params, [requests[n] if n else None for n in names])
     finally:
         llm.shutdown()
-    want = peft_greedy_reference(reference_dir or model_dir, adapters, prompts, names, steps, patch)
+    want = peft_greedy_reference(reference_dir or model_dir, adapters, prompts, names, steps, patch, patch_peft)
     for out, (tokens, logprobs), name in zip(outputs, want, names):
         got = out.outputs[0]
         assert out.error is None and got.token_ids == tokens, f"{name}: {got.token_ids} != {tokens}"

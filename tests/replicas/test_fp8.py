@@ -67,6 +67,14 @@ def test_the_triton_quantizer_equals_the_reference(dtype, width):
     assert torch.equal(scales, scales_ref)
     if ON_GPU:
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # into given rows (the stacked FP8 A rows: replicas/fp8_lora.py): rows 2-6 of an [11, width] buffer
+    out, out_scales = torch.zeros(11, width, dtype=FP8, device=x.device), torch.zeros(11, device=x.device)
+    kernel(strided[2:7], out=out[2:7], out_scales=out_scales[2:7])
+    assert torch.equal(out_scales[2:7], scales_ref[2:7]) and not out_scales[7:].any() and not out_scales[:2].any()
+    if ON_GPU:
+        assert torch.equal(out[2:7].view(torch.uint8), q_ref[2:7].view(torch.uint8))
+    with pytest.raises(ValueError, match="fit"):
+        kernel(strided[2:7], out=out[2:6], out_scales=out_scales[2:7])
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -149,13 +157,15 @@ def test_the_fp8_gemm_on_cuda_matches_the_reference(rows):
 
 
 @pytest.mark.gpu
-def test_an_fp8_engine_on_cuda_serves_adapters_as_close_as_the_float32_definition(demo, loras):
+@pytest.mark.parametrize("stacked", [0, 256], ids=["unstacked", "stacked"])
+def test_an_fp8_engine_on_cuda_serves_adapters_as_close_as_the_float32_definition(demo, loras, stacked):
     """bfloat16 with FP8 weights on CUDA (torch._scaled_mm, the Triton quantizer, CUDA graphs, adapters):
     every request completes, and its prompts' logprobs (teacher-forced, so no token choice can diverge) move
     away from the unquantized engine's by about what FP8 moves them in float32 on the CPU (the reference GEMM).
     The demo model is chaotic under FP8 (its logprobs reach -25; an e4m3 step flips as an activation moves by
     an ulp): on the CPU FP8 moves them 0.65 on average in float32, 0.85 in bfloat16, and bfloat16 alone 0.14;
-    a wrong scale or GEMM moves them by whole units."""
+    a wrong scale or GEMM moves them by whole units. stacked: decode and prompt steps of up to that many rows
+    shrink in the FP8 GEMM (replicas/fp8_lora.py), in the definition too."""
     from replicas.llm import LLM
     from replicas.sampling_params import SamplingParams
 
@@ -178,13 +188,15 @@ def test_an_fp8_engine_on_cuda_serves_adapters_as_close_as_the_float32_definitio
     def mean_gap(a: list[float], b: list[float]) -> float:
         return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
 
-    on_cuda = mean_gap(logprobs(dtype="bfloat16", quantization="fp8"), logprobs(dtype="bfloat16"))
-    definition = mean_gap(logprobs(dtype="float32", device="cpu", quantization="fp8"),
+    on_cuda = mean_gap(logprobs(dtype="bfloat16", quantization="fp8", lora_stacked_max_tokens=stacked),
+                       logprobs(dtype="bfloat16"))
+    definition = mean_gap(logprobs(dtype="float32", device="cpu", quantization="fp8", lora_stacked_max_tokens=stacked),
                           logprobs(dtype="float32", device="cpu"))
     assert on_cuda < 2 * definition, (on_cuda, definition)
 
 
-def test_merging_and_the_stacked_path_are_off_over_fp8_weights():
+def test_merging_and_by_default_the_stacked_path_are_off_over_fp8_weights():
+    """(The stacked path when asked for: tests/replicas/test_fp8_lora.py.)"""
     from lora_core.config import LoRAConfig
     from lora_core.errors import LoRAConfigError
     from replicas.lora_layers import stacked_max_tokens
@@ -196,8 +208,6 @@ def test_merging_and_the_stacked_path_are_off_over_fp8_weights():
     assert merge_after_steps(None, config, cuda, 1) > 0 and stacked_max_tokens(None, config, cuda, 1) > 0
     with pytest.raises(LoRAConfigError, match="FP8"):
         merge_after_steps(8, config, cuda, 1, quantized=True)
-    with pytest.raises(LoRAConfigError, match="quantization"):
-        stacked_max_tokens(256, config, cuda, 1, torch.bfloat16, quantized=True)
 
 
 # ---- checkpoints already in FP8 (replicas/fp8_checkpoint.py) ------------------------------------------------
