@@ -17,7 +17,7 @@ against transformers + PEFT whose base layers and lora_A layers compute these sa
 Where the rows come from: LoRAModelManager keeps every slot's A in the model's dtype in its arena (the
 prompt steps' shrink kernel reads them there), and calls FP8ARows with a slot's index each time it writes
 one (an install or a compaction move), on the stream that wrote it: FP8ARows quantizes the slot's A rows of
-every linear module into the stacked weights' rows and scales, one launch a module on CUDA.
+every linear module into the stacked weights' rows and scales, in one launch on CUDA (kernels.fp8.QuantizeTables).
 """
 
 from __future__ import annotations
@@ -53,14 +53,20 @@ class FP8ARows:
     dtype) quantized per rank row into each stacked weight's rows of that slot and their scales."""
 
     def __init__(self, manager: "LoRAModelManager", stacked: dict[str, "StackedWeight"]) -> None:
-        self.parts = []
-        for name, st in stacked.items():
-            a = manager.buffers(name).lora_a  # [S, L, R, in]
-            per_slot = st.per_slot
-            self.parts.append((a, st.weight[st.out:].view(-1, per_slot, a.shape[-1]),
-                               st.scale[st.out:].view(-1, per_slot)))
+        # per linear module: (its A slots [L, S * R, in] (each slot's rows contiguous in its image), the stacked
+        # FP8 rows [L, S * R, in], their scales [L, S * R])
+        self.parts = [(manager.buffers(name).lora_a.transpose(0, 1).flatten(1, 2),
+                       st.weight[st.out:].view(-1, st.per_slot, st.weight.shape[1]),
+                       st.scale[st.out:].view(-1, st.per_slot)) for name, st in stacked.items()]
+        self.tables = None
+        if manager.device.type == "cuda":
+            from replicas.kernels.fp8 import QuantizeTables  # triton: CUDA only here
+
+            self.tables = QuantizeTables(self.parts)
 
     def __call__(self, slot: int) -> None:
+        if self.tables is not None:
+            self.tables(slot)
+            return
         for a, rows, scales in self.parts:
-            src = a[:, slot].reshape(-1, a.shape[-1])  # [S * R, in]: contiguous in the slot's image
-            quantize_rows_into(src, rows[slot], scales[slot])
+            quantize_rows_into(a[slot], rows[slot], scales[slot])

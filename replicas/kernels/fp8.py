@@ -25,25 +25,36 @@ SCALE_BLOCK = 1024
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, width, x_stride, LIMIT: tl.constexpr,
-                          FLOOR: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    x_row = x_ptr + row.to(tl.int64) * x_stride
-    q_row = q_ptr + row.to(tl.int64) * width
-    if STATIC:  # a checkpoint's input scale, one for every row
-        scale = tl.load(static_ptr)
-    else:
-        peak = tl.zeros((BLOCK,), tl.float32)
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            peak = tl.maximum(peak, tl.abs(tl.load(x_row + cols, mask=cols < width, other=0.0).to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(peak, axis=0), LIMIT), FLOOR)
-    tl.store(scale_ptr + row, scale)
+def _row_scale(x_row, width, LIMIT: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr):
+    """max |x_row[:width]| / LIMIT, at least FLOOR (float32, the division correctly rounded)."""
+    peak = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        peak = tl.maximum(peak, tl.abs(tl.load(x_row + cols, mask=cols < width, other=0.0).to(tl.float32)))
+    return tl.maximum(tl.math.div_rn(tl.max(peak, axis=0), LIMIT), FLOOR)
+
+
+@triton.jit
+def _store_quantized(x_row, q_row, scale, width, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    """q_row[:width] = x_row / scale, clamped to +-LIMIT, rounded to the nearest float8 e4m3 (even on ties)."""
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < width, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -LIMIT), LIMIT)
         tl.store(q_row + cols, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=cols < width)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, width, x_stride, LIMIT: tl.constexpr,
+                          FLOOR: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * x_stride
+    if STATIC:  # a checkpoint's input scale, one for every row
+        scale = tl.load(static_ptr)
+    else:
+        scale = _row_scale(x_row, width, LIMIT, FLOOR, BLOCK)
+    tl.store(scale_ptr + row, scale)
+    _store_quantized(x_row, q_ptr + row.to(tl.int64) * width, scale, width, LIMIT, BLOCK)
 
 
 def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -65,6 +76,63 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None, out: torc
                                        LIMIT=FP8_MAX, FLOOR=MIN_SCALE, STATIC=static is not None, BLOCK=block,
                                        num_warps=max(4, min(16, block // 1024)))
     return q, scales
+
+
+@triton.jit
+def _quantize_tables_kernel(src_tab, dst_tab, scale_tab, rows_tab, width_tab, slot, num_parts,
+                            SRC: tl.constexpr, LIMIT: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr):
+    part = tl.program_id(0)
+    row = tl.program_id(1)
+    if row >= tl.load(rows_tab + part):
+        return
+    width = tl.load(width_tab + part)
+    entry = slot * num_parts + part
+    offset = row.to(tl.int64) * width
+    src = tl.load(src_tab + entry).to(tl.pointer_type(SRC)) + offset
+    scale = _row_scale(src, width, LIMIT, FLOOR, BLOCK)
+    tl.store(tl.load(scale_tab + entry).to(tl.pointer_type(tl.float32)) + row, scale)
+    _store_quantized(src, tl.load(dst_tab + entry).to(tl.pointer_type(tl.float8e4nv)) + offset, scale, width, LIMIT,
+                     BLOCK)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+TABLE_BLOCK = 4096
+
+
+class QuantizeTables:
+    """quantize_rows over many matrices in one launch: for `slot`, each part's src[slot] [rows, width] (any
+    of its own shape, contiguous) quantized per row into dst[slot] with its scales into scales[slot], as
+    quantize_rows computes them. FP8ARows' copies of an adapter slot's A rows (replicas/fp8_lora.py): 128
+    matrices for an 8B model, whose launches one by one cost ~20 us of host time each."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """parts: (src [slots, rows, width], dst float8 [slots, rows, width], scales float32 [slots, rows])."""
+        src0 = parts[0][0]
+        self.src_dtype = _TL_DTYPES[src0.dtype]
+        for src, dst, scales in parts:
+            ok = (src.dtype == src0.dtype and dst.dtype == FP8 and scales.dtype == torch.float32
+                  and src.shape == dst.shape and scales.shape == src.shape[:2]
+                  and all(t[0].is_contiguous() for t in (src, dst, scales)))
+            if not ok:
+                raise ValueError(f"QuantizeTables: src {src.dtype} {tuple(src.shape)}, dst {dst.dtype} "
+                                 f"{tuple(dst.shape)} and scales {scales.dtype} {tuple(scales.shape)} do not fit")
+        slots = src0.shape[0]
+
+        def addresses(i: int) -> torch.Tensor:  # [slots, parts]: part p's tensor i at slot s
+            return torch.tensor([[p[i][s].data_ptr() for p in parts] for s in range(slots)], dtype=torch.int64,
+                                device=src0.device)
+
+        # the tables hold addresses, not references: keep the tensors alive with them
+        self.parts = parts
+        self.src, self.dst, self.scales = addresses(0), addresses(1), addresses(2)
+        self.rows = torch.tensor([p[0].shape[1] for p in parts], dtype=torch.int32, device=src0.device)
+        self.widths = torch.tensor([p[0].shape[2] for p in parts], dtype=torch.int32, device=src0.device)
+        self.max_rows = max(p[0].shape[1] for p in parts)
+
+    def __call__(self, slot: int) -> None:
+        _quantize_tables_kernel[(len(self.parts), self.max_rows)](
+            self.src, self.dst, self.scales, self.rows, self.widths, slot, len(self.parts), SRC=self.src_dtype,
+            LIMIT=FP8_MAX, FLOOR=MIN_SCALE, BLOCK=TABLE_BLOCK, num_warps=4)
 
 
 @triton.jit

@@ -80,6 +80,32 @@ def test_fp8_a_rows_follow_every_slot_written_or_moved(tiny_checkpoint):
     check({3: 0, 2: 1})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_quantizes_a_slot_of_every_part(dtype):
+    """kernels.fp8.QuantizeTables (FP8ARows on CUDA): three parts of other row counts and widths (one wider than
+    a block), their slots strided as in the manager's arena: slot 2 of each equals quantize_rows' per-row scales
+    and values (the Triton quantizer's under the interpreter, whose float8 conversion errs: test_fp8.py), the
+    other slots untouched."""
+    from replicas.kernels.fp8 import TABLE_BLOCK, QuantizeTables, quantize_rows as triton_rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    parts = []
+    for rows, width in ((6, 64), (3, TABLE_BLOCK + 904), (12, 32)):
+        arena = (torch.randn(4, rows + 1, width, generator=g) * torch.logspace(-2, 1, rows + 1).unsqueeze(1))
+        src = arena.to(dtype).to(device)[:, 1:]  # each slot's rows contiguous, the slots apart
+        parts.append((src, torch.zeros(4, rows, width, dtype=FP8, device=device),
+                      torch.zeros(4, rows, device=device)))
+    QuantizeTables(parts)(2)
+    for src, dst, scales in parts:
+        want_q, want_s = quantize_rows(src[2]) if device == "cuda" else triton_rows(src[2])
+        assert torch.equal(scales[2], want_s) and torch.equal(scales[2], quantize_rows(src[2])[1])
+        assert torch.equal(dst[2].view(torch.uint8), want_q.view(torch.uint8))
+        assert not scales[[0, 1, 3]].any() and not dst[[0, 1, 3]].view(torch.uint8).any()
+    with pytest.raises(ValueError, match="do not fit"):
+        QuantizeTables([(parts[0][0], parts[1][1], parts[0][2])])
+
+
 def _fp8_lora_a(model) -> None:
     """A peft_greedy_reference patch_peft: every lora_A layer runs fp8_linear_reference over its weight
     quantized per rank row, as the stacked GEMM runs the shrink (the input quantized per token)."""
