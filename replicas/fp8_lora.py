@@ -18,6 +18,8 @@ Where the rows come from: LoRAModelManager keeps every slot's A in the model's d
 prompt steps' shrink kernel reads them there), and calls FP8ARows with a slot's index each time it writes
 one (an install or a compaction move), on the stream that wrote it: FP8ARows quantizes the slot's A rows of
 every linear module into the stacked weights' rows and scales, in one launch on CUDA (kernels.fp8.QuantizeTables).
+Under tensor parallelism a row-parallel layer's ranks hold parts of each A row, and each quantizes its own part
+(as each quantizes its part of the input).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from replicas.fp8_lora import FP8ARows
 from replicas.lora_layers import fused_max_adapters, lora_module_specs, stack_lora_weights, stacked_max_tokens
 from replicas.quantization import FP8, fp8_linear_reference, quantize_model, quantize_rows
 from tests.replicas.conftest import EVERY_PROJECTION, build_model, generate_against_peft, write_peft_adapters
-from tests.replicas.test_fp8 import _fp8_linears
+from tests.replicas.test_fp8 import _fp8_linears, _row_parallel_reference
 from tests.replicas.test_stacked_layers import _adapter
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -106,27 +106,41 @@ def test_one_launch_quantizes_a_slot_of_every_part(dtype):
         QuantizeTables([(parts[0][0], parts[1][1], parts[0][2])])
 
 
-def _fp8_lora_a(model) -> None:
+def _fp8_lora_a(tp: int):
     """A peft_greedy_reference patch_peft: every lora_A layer runs fp8_linear_reference over its weight
-    quantized per rank row, as the stacked GEMM runs the shrink (the input quantized per token)."""
-    for name, module in model.named_modules():
-        if ".lora_A." in name and isinstance(module, torch.nn.Linear):
-            aq, a_scale = quantize_rows(module.weight.data)
-            module.forward = lambda x, aq=aq, a_scale=a_scale: fp8_linear_reference(x, aq, a_scale)
+    quantized per rank row, as the stacked GEMM runs the shrink (the input quantized per token); those of
+    row-parallel layers (o_proj, down_proj) as tp ranks hold them: each its part of every row, quantized on
+    its own, the partial products summed."""
+    def patch(model):
+        for name, module in model.named_modules():
+            if ".lora_A." in name and isinstance(module, torch.nn.Linear):
+                parts = [quantize_rows(a.contiguous()) for a in module.weight.data.chunk(
+                    tp if any(f"{row}.lora_A" in name for row in ("o_proj", "down_proj")) else 1, dim=1)]
+                module.forward = lambda x, parts=parts: sum(
+                    fp8_linear_reference(xp, aq, a_scale) for xp, (aq, a_scale) in zip(x.chunk(len(parts), -1), parts))
+    return patch
 
 
-def test_generation_with_the_shrink_in_the_fp8_gemm_matches_hf_peft(demo, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_generation_with_the_shrink_in_the_fp8_gemm_matches_hf_peft(demo, tmp_path, tp):
     """Every step stacked (lora_stacked_max_tokens above the prompts' rows), adapters on every projection: the
     engine's tokens equal transformers + PEFT's whose base layers and lora_A layers compute the same FP8 products
-    (the expand in float32, as PEFT's lora_B). Measured on the CPU: three of the four requests' logprobs equal
-    to the bit, the fourth's within 0.05 (the engine's GEMMs over the stacked rows and a batch of four sum in
-    another order than PEFT's, and an ulp on an FP8 rounding boundary moves this model's logprobs by up to 0.07:
-    test_fp8.py's TP 2 case), so within 0.1; against PEFT with lora_A unquantized (the unstacked path's
-    shrink) the tokens differ and the logprobs by 0.5-1.8."""
+    (the expand in float32, as PEFT's lora_B; TP 2 over gloo, the row-parallel layers' products as its ranks
+    split them). Measured on the CPU at TP 1: three of the four requests' logprobs equal to the bit, the
+    fourth's within 0.05 (the engine's GEMMs over the stacked rows and a batch of four sum in another order than
+    PEFT's, and an ulp on an FP8 rounding boundary moves this model's logprobs by up to 0.07: test_fp8.py's TP 2
+    case), so within 0.1; against PEFT with lora_A unquantized (the unstacked path's shrink) the tokens differ
+    and the logprobs by 0.5-1.8."""
     adapters = write_peft_adapters(demo.model_dir, tmp_path, 80,
                                    {"all-r8": dict(r=8, lora_alpha=16, target_modules=EVERY_PROJECTION),
                                     "mlp-r4": dict(r=4, lora_alpha=4, target_modules=["gate_proj", "down_proj"])})
+
+    def forward(name, wq, ws, bias):
+        if name.endswith(("o_proj", "down_proj")):
+            return lambda x: _row_parallel_reference(x, wq, ws, bias, tp)
+        return lambda x: fp8_linear_reference(x, wq, ws, bias)
+
     prompts = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT", "Hello"]
-    generate_against_peft(demo.model_dir, adapters, prompts, [None, "all-r8", "mlp-r4", "all-r8"], 8,
-                          patch=_fp8_linears(lambda name, wq, ws, bias: lambda x: fp8_linear_reference(x, wq, ws, bias)),
-                          patch_peft=_fp8_lora_a, tolerance=0.1, quantization="fp8", lora_stacked_max_tokens=512)
+    generate_against_peft(demo.model_dir, adapters, prompts, [None, "all-r8", "mlp-r4", "all-r8"], 8, tp,
+                          patch=_fp8_linears(forward), patch_peft=_fp8_lora_a(tp), tolerance=0.1, quantization="fp8",
+                          lora_stacked_max_tokens=512)
