@@ -318,10 +318,13 @@ def test_a_per_channel_checkpoint_serves_as_quantization_fp8_over_its_source(dem
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) <= 1e-5 for t in x)
 
 
-def test_a_per_tensor_static_checkpoint_matches_hf_peft_over_the_same_products(demo, tmp_path):
+@pytest.mark.parametrize("stacked", [0, 512], ids=["unstacked", "stacked"])
+def test_a_per_tensor_static_checkpoint_matches_hf_peft_over_the_same_products(demo, tmp_path, stacked):
     """One scale per weight tensor and a static input scale per projection (q, k and v apart, so the packed
     layer must take their largest, as must gate and up): the engine with adapters against transformers + PEFT
-    on the source checkpoint whose linear layers compute those FP8 products."""
+    on the source checkpoint whose linear layers compute those FP8 products. stacked: the shrink in the FP8
+    GEMM (replicas/fp8_lora.py), whose input is quantized with the layer's static scale: PEFT's lora_A layers
+    compute that product (A per rank row)."""
     inputs = {"q_proj": 0.02, "k_proj": 0.03, "v_proj": 0.025, "o_proj": 0.01, "gate_proj": 0.04, "up_proj": 0.03,
               "down_proj": 0.05}
     packed = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
@@ -331,14 +334,25 @@ def test_a_per_tensor_static_checkpoint_matches_hf_peft_over_the_same_products(d
     adapters = write_peft_adapters(demo.model_dir, tmp_path, 80,
                                    {"all-r8": dict(r=8, lora_alpha=16, target_modules=EVERY_PROJECTION)})
 
+    def static(projection: str) -> torch.Tensor:
+        return torch.tensor([max(inputs[p] for p in packed.get(projection, (projection,)))])
+
     def forward(name, wq, ws, bias):
-        projection = name.rsplit(".", 1)[-1]
-        static = torch.tensor([max(inputs[p] for p in packed.get(projection, (projection,)))])
-        return lambda x: fp8_linear_reference(x, wq, ws, bias, static)
+        return lambda x: fp8_linear_reference(x, wq, ws, bias, static(name.rsplit(".", 1)[-1]))
+
+    def lora_a(model):  # "...self_attn.q_proj.lora_A.all-r8"
+        for name, module in model.named_modules():
+            if ".lora_A." in name and isinstance(module, torch.nn.Linear):
+                aq, a_scale = quantize_rows(module.weight.data)
+                scale = static(name.split(".lora_A.")[0].rsplit(".", 1)[-1])
+                module.forward = lambda x, aq=aq, a_scale=a_scale, scale=scale: fp8_linear_reference(
+                    x, aq, a_scale, None, scale)
 
     prompts = ["The quick brown fox", "Once upon a time in a city far away,", "SELECT"]
     generate_against_peft(fp8_dir, adapters, prompts, [None, "all-r8", "all-r8"], 8,
-                          patch=_fp8_linears(forward, per_tensor=True), reference_dir=demo.model_dir)
+                          patch=_fp8_linears(forward, per_tensor=True), reference_dir=demo.model_dir,
+                          patch_peft=lora_a if stacked else None, tolerance=0.1 if stacked else None,
+                          lora_stacked_max_tokens=stacked)
 
 
 def test_a_phi3_checkpoint_with_fused_fp8_tensors_loads_their_scales(demo, tmp_path):
