@@ -13,7 +13,8 @@ all-reduce: no extra collective. With it, nothing is replicated: column
 layers all-gather the [S, T, r/tp] shrink buffer, row layers all-reduce the
 [T, r] one and expand into their slice of the output.
 
-Stacked A (lora_core/stacked_a.py; not with fully_sharded_loras under TP): a
+Stacked A (lora_core/stacked_a.py; not with fully_sharded_loras under TP; over
+FP8 weights as FP8 copies of the manager's A slots, replicas/fp8_lora.py): a
 linear layer's A slots sit as extra rows under its base weight, so steps of
 up to PunicaWrapper.stacked_max_tokens rows run one GEMM for the base output
 and every slot's shrink, then the expand; larger steps run shrink, expand and
@@ -40,8 +41,8 @@ from lora_core.module_spec import LoRAKind, LoRAModuleSpec, ShardKind
 from lora_core.punica import PunicaWrapper
 from lora_core.punica.pending import PendingExpand
 from lora_core.stacked_a import a_rows, stack_bias, stack_weight
-from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replicas.fp8_lora import stack_scales
+from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replicas.layers.gemm import linear
 from replicas.layers.linear import ColumnParallelLinear, RowParallelLinear
 from replicas.quantization import fp8_linear
