@@ -52,6 +52,27 @@ def test_the_kernels_equal_the_reference(rows, vocab, k, dtype):
     torch.testing.assert_close(got[:, 1: 3 + k], want[:, 1: 3 + k], rtol=0, atol=2e-5)
 
 
+def test_the_top_k_orders_equal_logits_by_id_across_splits():
+    """Logits on a coarse grid (many equal), the largest planted in several splits and in a last split of 5
+    columns (fewer than k), a row of only two finite logits: the kernels' top k equal the reference's, equal
+    logits in id order, -inf ones last (still in id order)."""
+    from replicas.kernels.token_logprobs import BLOCK, SPLITS, token_logprobs
+
+    vocab = BLOCK * SPLITS + 5  # splits of 2 * BLOCK columns: the last one holds 5
+    logits = (torch.randn(3, vocab, generator=torch.Generator().manual_seed(9)) * 2).round()
+    logits[0, [1, 5000, 9000, vocab - 1, vocab - 3]] = 9.0
+    logits[1, [vocab - 2, 2, 4097]] = 7.0
+    logits[2] = float("-inf")
+    logits[2, [11, 8000]] = 1.0
+    tokens = torch.tensor([1, 2, 11])
+    got = token_logprobs(logits.to(DEVICE), tokens.to(DEVICE), 20).cpu()
+    want = token_logprobs_reference(logits, tokens, 20)
+    assert want[0, 23:28].long().tolist() == [1, 5000, 9000, vocab - 3, vocab - 1]  # ties by id
+    assert want[2, 23:27].long().tolist() == [11, 8000, 0, 1]  # then -inf, by id
+    assert torch.equal(got[:, 23:], want[:, 23:]) and torch.equal(got[:, [0, 2]], want[:, [0, 2]])
+    torch.testing.assert_close(got[:, 1:23], want[:, 1:23], rtol=0, atol=2e-5)
+
+
 def test_the_sampler_returns_logprobs_for_the_rows_that_ask():
     from replicas.sampler import Sampler
     from replicas.sampling_params import SamplingParams
