@@ -62,24 +62,25 @@ def main() -> None:
 
     logits = torch.randn(a.rows, a.vocab, device="cuda").to(torch.bfloat16)
     tokens = logits.argmax(dim=-1)
-    top, ids = logits.topk(a.k, dim=-1)
     n, vocab = logits.shape
     per_split = kernels.BLOCK * triton.cdiv(triton.cdiv(vocab, kernels.SPLITS), kernels.BLOCK)
     splits = triton.cdiv(vocab, per_split)
     slots = triton.next_power_of_2(splits)
     parts = torch.empty((n, slots, 3), dtype=torch.float32, device="cuda")
+    cand_values = torch.empty((n, slots, kernels.BLOCK_K), dtype=torch.float32, device="cuda")
+    cand_ids = torch.empty((n, slots, kernels.BLOCK_K), dtype=torch.int32, device="cuda")
     out = torch.empty((n, 3 + 2 * a.k), dtype=torch.float32, device="cuda")
     small = torch.zeros(16, device="cuda")
 
     rows = {
         "triton: empty kernel": lambda: _empty_kernel[(1,)](small, 16, BLOCK=16),
         "triton: partials": lambda: kernels._partials_kernel[(n, splits)](
-            logits, tokens, parts, vocab, logits.stride(0), per_split, SPLIT_SLOTS=slots, BLOCK=kernels.BLOCK,
-            num_warps=8),
+            logits, tokens, parts, cand_values, cand_ids, vocab, logits.stride(0), per_split, a.k,
+            SPLIT_SLOTS=slots, BLOCK_K=kernels.BLOCK_K, BLOCK=kernels.BLOCK, num_warps=8),
         "triton: combine": lambda: kernels._combine_kernel[(n,)](
-            logits, tokens, parts, top, ids, out, logits.stride(0), splits, a.k, top.shape[1], SPLIT_SLOTS=slots,
+            logits, tokens, parts, cand_values, cand_ids, out, logits.stride(0), splits, a.k, SPLIT_SLOTS=slots,
             BLOCK_K=kernels.BLOCK_K, num_warps=1),
-        "token_logprobs (topk + 2 launches)": lambda: token_logprobs(logits, tokens, a.k),
+        "token_logprobs (2 launches)": lambda: token_logprobs(logits, tokens, a.k),
         "token_logprobs_reference (torch)": lambda: token_logprobs_reference(logits.float(), tokens, a.k),
         "torch: add": lambda: small.add(1.0),
         "torch: topk": lambda: logits.topk(a.k, dim=-1),

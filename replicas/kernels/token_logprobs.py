@@ -26,7 +26,7 @@ SPLITS = 16  # at most, per row: 128 K columns -> 16 programs of 8 K
 BLOCK_K = triton.next_power_of_2(MAX_LOGPROBS)
 
 
-NO_ID = 2147483647  # a candidate slot that holds no token (a split of fewer than k columns)
+NO_ID = tl.constexpr(2147483647)  # a candidate slot that holds no token (a split of fewer than k columns)
 
 
 @triton.jit
