@@ -161,7 +161,11 @@ def test_broken_adapter_fails_alone_with_its_typed_error(make_tier, root):
         ray.get(tier.register.remote("outside", "/etc"))
     assert set(ray.get(tier.registered.remote())) == {"sql", "corrupt"}
     m = ray.get(tier.metrics.remote())
-    assert (m["fetch_errors"], m["adapters_cached"]) == (2, 1)
+    # every fetch failed but sql's: corrupt's once or twice (the second get shares the first's fetch only if it
+    # arrives while that one runs; a failure is not cached: a fresh-clone CI run on a loaded machine saw two)
+    # and dora's once
+    assert m["fetch_errors"] == m["origin_fetches"] - 1 and 2 <= m["fetch_errors"] <= 3
+    assert m["adapters_cached"] == 1
 
 
 def test_adapter_from_s3_is_fetched_once(make_tier, root, s3_server, s3_client):
