@@ -66,8 +66,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.engine_workload import (GEMMA3_1B, GRANITE_8B, LLAMA3_8B, LLAMA32_1B,  # noqa: E402
                                    PHI3_MINI, PHI4_MINI, QWEN3_8B, TINY, AdapterPools, Recorder, Request,
-                                   adapter_bytes, assign_adapters, copy_bandwidth, drive, kv_bytes_per_token,
-                                   make_requests, summarize, weight_bytes, write_model_dir)
+                                   add_physics, assign_adapters, copy_bandwidth, drive,
+                                   make_requests, summarize, write_model_dir)
 from bench.triton_compiles import CompileLog  # noqa: E402
 from replicas.engine import EngineArgs, LLMEngine  # noqa: E402
 
@@ -132,27 +132,6 @@ def _value(text: str):
         except ValueError:
             pass
     return {"True": True, "False": False, "None": None}.get(text, text)
-
-
-def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: int,
-                overrides: dict | None = None) -> dict:
-    """The row's ratios to its base and its bytes' bound. overrides: its engine's --variant fields (FP8 weights
-    or an FP8 KV cache read one byte an element, LoRA weights stay in esize)."""
-    overrides = overrides or {}
-    weights = 1 if overrides.get("quantization") == "fp8" else esize
-    kv = 1 if str(overrides.get("kv_cache_dtype", "")).startswith("fp8") else esize
-    if row["rank"] == 0:
-        read = weight_bytes(shape, weights, esize) + row["kv_tokens"] * kv_bytes_per_token(shape, kv)
-        extra = row["decode_ms"]
-    else:
-        read = row["adapters"] * adapter_bytes(shape, row["rank"], esize)
-        extra = row["decode_ms"] - base["decode_ms"]
-    bound = 1e3 * read / tp / bw  # each of tp ranks reads about 1/tp of the bytes at its own bandwidth
-    physics = dict(x_base=row["tok_s"] / base["tok_s"], x_decode=base["decode_ms"] / row["decode_ms"], extra_ms=extra,
-                   bound_ms=bound, x_bound=extra / bound if bound else float("nan"))  # none-r{R}: no adapter bytes
-    if row["rank"]:
-        physics["x_decode_ceiling"] = base["decode_ms"] / (base["decode_ms"] + bound)
-    return dict(row, **physics)
 
 
 def fmt(row: dict) -> str:

@@ -110,6 +110,27 @@ def kv_bytes_per_token(shape: dict, esize: int) -> int:
     return esize * 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim(shape)
 
 
+def add_physics(row: dict, base: dict, shape: dict, esize: int, bw: float, tp: int,
+                overrides: dict | None = None) -> dict:
+    """The row's ratios to its base and its bytes' bound. overrides: its engine's --variant fields (FP8 weights
+    or an FP8 KV cache read one byte an element, LoRA weights stay in esize)."""
+    overrides = overrides or {}
+    weights = 1 if overrides.get("quantization") == "fp8" else esize
+    kv = 1 if str(overrides.get("kv_cache_dtype", "")).startswith("fp8") else esize
+    if row["rank"] == 0:
+        read = weight_bytes(shape, weights, esize) + row["kv_tokens"] * kv_bytes_per_token(shape, kv)
+        extra = row["decode_ms"]
+    else:
+        read = row["adapters"] * adapter_bytes(shape, row["rank"], esize)
+        extra = row["decode_ms"] - base["decode_ms"]
+    bound = 1e3 * read / tp / bw  # each of tp ranks reads about 1/tp of the bytes at its own bandwidth
+    physics = dict(x_base=row["tok_s"] / base["tok_s"], x_decode=base["decode_ms"] / row["decode_ms"], extra_ms=extra,
+                   bound_ms=bound, x_bound=extra / bound if bound else float("nan"))  # none-r{R}: no adapter bytes
+    if row["rank"]:
+        physics["x_decode_ceiling"] = base["decode_ms"] / (base["decode_ms"] + bound)
+    return dict(row, **physics)
+
+
 def write_model_dir(path: Path, shape: dict) -> Path:
     """config.json for the shape, the demo's tokenizer_config.json and a word-level tokenizer over the vocab."""
     path.mkdir(parents=True, exist_ok=True)
