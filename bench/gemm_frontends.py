@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.kernels import graph_of  # noqa: E402
+from bench.punica_kernels import graph_of  # noqa: E402
 
 # site: (K, N, LoRA slices)
 SITES = {"qkv": (4096, 6144, 3), "o": (4096, 4096, 1), "gate_up": (4096, 28672, 2), "down": (14336, 4096, 1),

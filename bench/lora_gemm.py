@@ -24,7 +24,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.kernels import graph_of, time_graph  # noqa: E402
+from bench.punica_kernels import graph_of, time_graph  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper  # noqa: E402
 from lora_core.punica.lora_gemm import RANK_CHUNK, LoRAGemm, reference, tiling  # noqa: E402

@@ -1,7 +1,7 @@
 """One LoRA site as a layer runs it: the base GEMM, then add_lora_linear (GPU).
 
 For Llama-3-8B projections at decode-sized steps, each case times four CUDA graphs, replayed with
-L2 flushed between them (bench/kernels.py's helpers):
+L2 flushed between them (bench/punica_kernels.py's helpers):
   base     y = x @ W^T (cuBLAS)
   no-pdl   base, then add_lora_linear with programmatic dependent launch off
   pdl      the same with it on (PunicaWrapper's default on Hopper)
@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.kernels import graph_of, time_graph  # noqa: E402
+from bench.punica_kernels import graph_of, time_graph  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper  # noqa: E402
 from lora_core.stacked_a import a_rows, stack_weight  # noqa: E402

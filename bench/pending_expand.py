@@ -5,7 +5,7 @@ kernel adds qkv_proj's as it rotates q and k (v's part in place; replicas/kernel
 --sites o / down: the add + RMSNorm after o_proj / down_proj adds theirs (replicas/kernels/lora_norm.py).
 
 lora_core/punica/pending.py. For Llama-3-8B's gate_up_proj (4096 -> 2 x 14336) at decode-sized steps, each
-case times three CUDA graphs, replayed with L2 flushed between them (bench/kernels.py's helpers):
+case times three CUDA graphs, replayed with L2 flushed between them (bench/punica_kernels.py's helpers):
   base     y = x @ W^T, then silu_and_mul
   expand   one GEMM over W and the A rows of the step's slots, add_expand_stacked, then silu_and_mul
   pending  the same GEMM, then silu_and_mul with the PendingExpand (no expand kernel)
@@ -30,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.kernels import graph_of, time_graph  # noqa: E402
+from bench.punica_kernels import graph_of, time_graph  # noqa: E402
 from bench.lora_site import SITES, SLOTS  # noqa: E402
 from bench.stacked_expand import slots_for  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.kernels import graph_of  # noqa: E402
+from bench.punica_kernels import graph_of  # noqa: E402
 from bench.lora_site import SITES, SLOTS  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper  # noqa: E402
@@ -29,7 +29,7 @@ from tests.lora_core.punica_cases import stacked_weights, token_slots  # noqa: E
 
 
 def _us(fn) -> float:
-    # Shorter than bench.kernels.time_graph: a case times ~80 settings.
+    # Shorter than bench.punica_kernels.time_graph: a case times ~80 settings.
     return 1e3 * do_bench(graph_of(fn).replay, warmup=5, rep=40, return_mode="median")
 
 

@@ -26,7 +26,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.kernels import graph_of, time_graph  # noqa: E402
+from bench.punica_kernels import graph_of, time_graph  # noqa: E402
 from bench.lora_site import SITES, SLOTS  # noqa: E402
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper, triton_ops  # noqa: E402

@@ -29,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.kernels import graph_of, time_graph  # noqa: E402
+from bench.punica_kernels import graph_of, time_graph  # noqa: E402
 
 SITES = {"qkv": (4096, 6144, 3), "o": (4096, 4096, 1), "gate_up": (4096, 28672, 2), "down": (14336, 4096, 1)}
 BOUNDS = (1, 4, 16, 32)

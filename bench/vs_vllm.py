@@ -1,11 +1,11 @@
-"""Our punica kernels beside vLLM's Triton LoRA ops (lora_shrink + lora_expand) on bench/kernels.py's sweep (GPU).
+"""Our punica kernels beside vLLM's Triton LoRA ops (lora_shrink + lora_expand) on bench/punica_kernels.py's sweep (GPU).
 
 vLLM is not a dependency and none of its code lives in this repository. Point
 --vllm-path at a folder from which `vllm.lora.ops.triton_ops.{lora_shrink_op,
 lora_expand_op, lora_kernel_metadata}` import (a vLLM checkout, or a copy of
 those files with their imports satisfied, kept out of git, e.g. under .out/).
 
-For each layer shape x rank x T x popularity (the sweep of bench/kernels.py,
+For each layer shape x rank x T x popularity (the sweep of bench/punica_kernels.py,
 the same builders and seeds):
   ours       -- PunicaWrapper.add_lora_linear (Triton backend, default config);
   vllm       -- vLLM's lora_shrink into an fp32 buffer (the op zeroes it itself
@@ -15,10 +15,10 @@ the same builders and seeds):
                 cudagraph_specialize_lora);
   vllm spec  -- the same with num_active_loras rounded up to the captured counts
                 (powers of two, max_loras + 1), as with cudagraph_specialize_lora;
-  roof       -- bench/kernels.py's minimum bytes over the copy bandwidth measured
+  roof       -- bench/punica_kernels.py's minimum bytes over the copy bandwidth measured
                 in this run.
 Both are checked against the fp32 torch reference (rel err < 2e-2) and timed as
-CUDA-graph replays with L2 flushed before each replay (bench/kernels.py's
+CUDA-graph replays with L2 flushed before each replay (bench/punica_kernels.py's
 time_graph); a call that cannot be captured is timed eagerly, L2 flushed the
 same way, and marked so. Prints a table and writes CSV to $OUT (or bench/out).
 
@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.kernels import (NUM_SLOTS, POPULARITY, RANKS, SHAPES, TOKENS, _noop,  # noqa: E402
+from bench.punica_kernels import (NUM_SLOTS, POPULARITY, RANKS, SHAPES, TOKENS, _noop,  # noqa: E402
                            copy_bandwidth, graph_of, min_bytes, time_graph)
 from lora_core.mapping import LoRAMapping  # noqa: E402
 from lora_core.punica import PunicaWrapper  # noqa: E402

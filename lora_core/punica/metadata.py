@@ -51,7 +51,7 @@ def choose_block_m(num_tokens: int, num_adapters: int = 1) -> int:
 
 
 # Steps of up to bgmv_max_rows rows run BGMV (one token per program) while they hold at most this many rows per
-# adapter on average, SGMV tiles otherwise (bench/kernels.py --bgmv-rows-per-adapter sweeps it).
+# adapter on average, SGMV tiles otherwise (bench/punica_kernels.py --bgmv-rows-per-adapter sweeps it).
 BGMV_ROWS_PER_ADAPTER = 2
 
 

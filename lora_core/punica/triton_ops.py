@@ -20,27 +20,27 @@ from lora_core.punica.triton_kernels import bgmv_expand_kernel, bgmv_shrink_kern
 _TARGET_PROGRAMS = 1024
 # SGMV steps with few real tiles (one adapter, a few popular ones): the device deals the grid's
 # idle programs to the real tiles up to these totals per launch for 16-row tiles, fewer for taller
-# ones (triton_kernels._deal; `bench/kernels.py --deal` sweeps them), and a tile's K splits up to
+# ones (triton_kernels._deal; `bench/punica_kernels.py --deal` sweeps them), and a tile's K splits up to
 # SPLIT_ROWS // BLOCK_R (each split is a partial the expand re-reads).
 DEAL_SHRINK_PROGRAMS = 256
 DEAL_EXPAND_PROGRAMS = 512
 SPLIT_ROWS = 256
 # Largest A tile (rank x K elements) of a BGMV shrink step (shrink_config): H200, T = 1, down_proj's shrink in
 # one step instead of two (r16) or four (r64): 10.2 -> 8.2 us and 12.8 -> 9.7 us with its expand; 8192 gave
-# r64 11.97 (bench/kernels.py --bgmv-tile, RESULTS.md eleventh session).
+# r64 11.97 (bench/punica_kernels.py --bgmv-tile, RESULTS.md eleventh session).
 BGMV_SHRINK_TILE = 16384
 # Most K splits of a BGMV shrink per row: each split is a [rank] float32 partial that every expand program of the
-# row reads back (rank 64 at 64 splits: 16 KB per program; `bench/kernels.py --bgmv-splits` sweeps it).
+# row reads back (rank 64 at 64 splits: 16 KB per program; `bench/punica_kernels.py --bgmv-splits` sweeps it).
 BGMV_MAX_SPLITS = 64
 # Most split partials (rank x splits floats) per BGMV row: every expand program of the row reads them all back.
 # H100, T = 1, rank 64: qkv 9.98 -> 9.28 us, gate_up 12.86 -> 11.36 at 16 splits instead of 64. Rank 16 plans at
-# most 32 splits (its 256-wide K blocks) and is left alone (bench/kernels.py --bgmv-splits, RESULTS.md twelfth
+# most 32 splits (its 256-wide K blocks) and is left alone (bench/punica_kernels.py --bgmv-splits, RESULTS.md twelfth
 # session). 0: no cap.
 BGMV_SPLIT_PARTIALS = 1024
 # ... unless the launch would then hold fewer programs than this, each taking more than one BGMV_SHRINK_TILE step.
 # down_proj (14,336 inputs) at rank 64, H100: T = 1 took 10.4 us at 64 splits (one step), 14.3 at 16 (four steps,
 # 16 programs); T = 16 29.7 at 16 splits against 33.8 at 64. H200, T = 2: 11.0 at 32 splits (64 programs) against
-# 15.5 at 64 and 14.0 at 16 (bench/kernels.py --bgmv-min-programs, RESULTS.md twelfth session).
+# 15.5 at 64 and 14.0 at 16 (bench/punica_kernels.py --bgmv-min-programs, RESULTS.md twelfth session).
 BGMV_MIN_PROGRAMS = 64
 
 
@@ -84,7 +84,7 @@ def use_bgmv(meta: PunicaMetadata) -> bool:
 # this many times at rank <= 16 (down_proj: 14,336 -> 4,096): BGMV splits the long K over many programs per row,
 # and re-reading a rank-16 B of 4,096 outputs per row costs less than SGMV's tiles. H200, down_proj rank 16,
 # shrink + expand: 4 / 8 / 16 rows of one adapter 13.5 / 13.3 / 14.0 -> 10.5 / 10.9 / 11.8 us, 16 rows over 4
-# adapters 14.0 -> 12.1; qkv and gate_up (more outputs than inputs) and rank 64 lose with BGMV (bench/kernels.py
+# adapters 14.0 -> 12.1; qkv and gate_up (more outputs than inputs) and rank 64 lose with BGMV (bench/punica_kernels.py
 # --bgmv-rows-per-adapter, RESULTS.md thirteenth session). 0: off.
 BGMV_SITE_K_OVER_N = 2
 
@@ -208,7 +208,7 @@ def stacked_expand_config(rank: int) -> tuple[int, int]:
 
 
 # Ranks an expand's rank mask covers at a time (triton_kernels.rank_mask); a plan setting, so that
-# bench/kernels.py --rank-mask-group can sweep it side by side.
+# bench/punica_kernels.py --rank-mask-group can sweep it side by side.
 RANK_MASK_GROUP = triton_kernels.RANK_MASK_GROUP.value
 
 

@@ -1,4 +1,4 @@
-"""Shared builders for punica tests and bench/kernels.py: adapter popularity shapes and stacked weights."""
+"""Shared builders for punica tests and bench/punica_kernels.py: adapter popularity shapes and stacked weights."""
 
 from __future__ import annotations
 

@@ -12,11 +12,11 @@ against the torch reference, then time
   floor  -- a one-kernel CUDA graph replayed the same way (launch floor).
 Prints a table with ratios and writes CSV to $OUT (or bench/out).
 
-    python bench/kernels.py [--quick]
-    python bench/kernels.py --deal 0,0,0 --deal 256,512,256   # SGMV dealing settings side by side
-    python bench/kernels.py --bgmv-tile 0 8192 16384 --tokens 1 16   # BGMV shrink tiles side by side
-    python bench/kernels.py --bgmv-splits 64 32 16 --tokens 1 16     # BGMV shrink split limits side by side
-    python bench/kernels.py --bgmv-rows-per-adapter 2 16 --tokens 4 8 16 32 --pops identical uniform   # BGMV or SGMV
+    python bench/punica_kernels.py [--quick]
+    python bench/punica_kernels.py --deal 0,0,0 --deal 256,512,256   # SGMV dealing settings side by side
+    python bench/punica_kernels.py --bgmv-tile 0 8192 16384 --tokens 1 16   # BGMV shrink tiles side by side
+    python bench/punica_kernels.py --bgmv-splits 64 32 16 --tokens 1 16     # BGMV shrink split limits side by side
+    python bench/punica_kernels.py --bgmv-rows-per-adapter 2 16 --tokens 4 8 16 32 --pops identical uniform   # BGMV or SGMV
 """
 
 from __future__ import annotations
