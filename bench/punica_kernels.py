@@ -198,6 +198,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 256], help="with --deal, --bgmv-*")
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="with --deal, --bgmv-*")
     parser.add_argument("--pops", nargs="+", default=list(POPULARITY), help="with --deal, --bgmv-*")
+    parser.add_argument("--sweep-tokens", type=int, nargs="+", metavar="T",
+                        help="the main sweep at these T only (default: all of TOKENS; --quick: 1, 64, 1024)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -212,7 +214,7 @@ def main() -> None:
     floor2_us = time_graph(graph_of(lambda: (_noop[(1,)](flag), _noop[(1,)](flag))))
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "
           f"one-kernel graph floor {floor_us:.2f} us  (two kernels: {floor2_us:.2f} us)  dtype {args.dtype}")
-    tokens = (1, 64, 1024) if args.quick else TOKENS
+    tokens = args.sweep_tokens or ((1, 64, 1024) if args.quick else TOKENS)
     rows = []
     header = (f"{'shape':8}{'r':>4}{'T':>6} {'popularity':10}{'#ad':>4} {'path':9}{'ours us':>10}{'torch us':>10}"
               f"{'roof us':>9}{'%bw':>6}{'x torch':>8}{'x floor':>8}{'relerr':>9}")
