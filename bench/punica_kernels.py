@@ -13,6 +13,7 @@ against the torch reference, then time
 Prints a table with ratios and writes CSV to $OUT (or bench/out).
 
     python bench/punica_kernels.py [--quick]
+    python bench/punica_kernels.py --sweep-tokens 1 16               # the main sweep at these T only
     python bench/punica_kernels.py --deal 0,0,0 --deal 256,512,256   # SGMV dealing settings side by side
     python bench/punica_kernels.py --bgmv-tile 0 8192 16384 --tokens 1 16   # BGMV shrink tiles side by side
     python bench/punica_kernels.py --bgmv-splits 64 32 16 --tokens 1 16     # BGMV shrink split limits side by side
