@@ -17,6 +17,13 @@ should approach half the bfloat16 time; bench/engine.py's base+f8 row showed its
 
 each the median of CUDA-graph replays (20 calls a graph, L2 flushed before each replay: decode reads
 weights cold), per call, and fp8 / bf16 and fp8 / bound.
+
+    python bench/fp8_gemm.py --norm --rows 1 32 64
+
+times instead the add + RMSNorm and the FP8 layer it feeds (qkv, gate_up), side by side: the norm, then
+fp8_linear quantizing its input in its own launch ("norm+fp8", LORAFLEET_FP8_NORM_QUANT=0's path), and the norm
+writing the layer's FP8 input as it writes its output (RMSNorm.fp8_output, the engine's default: "normq+fp8"),
+with the bfloat16 layer after the norm beside them.
 """
 
 from __future__ import annotations
@@ -69,15 +76,45 @@ def copy_bandwidth(flush: torch.Tensor) -> float:
     return 2 * src.numel() / (ms / 1e3)
 
 
+def norm_rows(rows_list: list[int], flush: torch.Tensor) -> None:
+    """--norm: the add + RMSNorm before qkv / gate_up with the FP8 layer after it, the input quantized in the
+    layer or by the norm."""
+    from replicas.kernels import fused  # triton: CUDA only
+
+    print(f"{'layer':8} {'rows':>5} {'norm+bf16':>10} {'norm+fp8':>10} {'normq+fp8':>10} {'saved':>8} {'q/fp8':>8}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name in ("qkv", "gate_up"):
+        k, n = SHAPES[name]
+        w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+        wq, ws = quantize_rows(w)
+        norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        for rows in rows_list:
+            x, r = (torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+
+            def site(layer, quantize=False):
+                y, _ = fused.fused_add_rms_norm(x, r, norm_w, 1e-5, quantize)
+                return layer(y)
+
+            t = {"bf16": graph_time(lambda: site(lambda y: F.linear(y, w)), flush),
+                 "fp8": graph_time(lambda: site(lambda y: fp8_linear(y, wq, ws)), flush),
+                 "fp8q": graph_time(lambda: site(lambda y: fp8_linear(y, wq, ws), True), flush)}
+            print(f"{name:8} {rows:5d} {t['bf16'] * 1e3:10.1f} {t['fp8'] * 1e3:10.1f} {t['fp8q'] * 1e3:10.1f}"
+                  f" {(t['fp8'] - t['fp8q']) * 1e3:8.1f} {t['fp8q'] / t['fp8']:8.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64, 256])
+    p.add_argument("--norm", action="store_true", help="the norm before qkv / gate_up with the FP8 layer (docstring)")
     args = p.parse_args()
     from replicas.kernels.fp8 import quantize_rows as quantize_on_gpu  # triton: CUDA only
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     bandwidth = copy_bandwidth(flush)
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.3f} TB/s  (us per call)")
+    if args.norm:
+        norm_rows(args.rows, flush)
+        return
     print(f"{'layer':8} {'rows':>5} " + " ".join(f"{c:>8}" for c in COLUMNS)
           + f" {'bound':>8} {'fp8/bf16':>8} {'row/bf16':>8} {'fp8/bnd':>8}")
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -31,7 +31,7 @@ from replicas.model_config import ModelConfig
 from replicas.models import dummy_model, load_model
 from replicas.parallel import ParallelContext
 from replicas.piecewise_graphs import PiecewiseGraphs
-from replicas.quantization import quantize_model
+from replicas.quantization import link_fp8_norms, quantize_model
 from replicas.warm_up import warm_up
 
 # Evicting prefetch copies per step: an 8B rank-16 adapter's copy takes 2.2 ms of an H200's ~6.5 ms decode step
@@ -114,6 +114,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.model_config.dtype)
         if cfg.quantization is not None and self.model_config.fp8_checkpoint is None:
             quantize_model(self.model, cfg.quantization, self.model_config.dtype, self.device)
+        if self.quantized:  # the norms before FP8 layers quantize those layers' inputs as they write them
+            link_fp8_norms(self.model)
         mc = self.model_config
         self.lora_manager: LoRAModelManager | None = None
         self.punica: PunicaWrapper | None = None

@@ -112,17 +112,22 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8_linear_reference's result: for bfloat16 on CUDA, the input quantized by one Triton launch, then
-    torch._scaled_mm; elsewhere (CPU, float32 on CUDA: tests) the reference. Up to UNIT_SCALE_ROWS rows (decode
-    batches) the product runs with unit scales into float32 and a Triton epilogue applies both scales
-    (bench/fp8_gemm.py: _scaled_mm's row-wise form took about twice its per-tensor form's time there, up to
-    1.8 x the bfloat16 GEMM); above, the row-wise form, whose float32 sums a larger batch would write twice."""
+    """fp8_linear_reference's result: for bfloat16 on CUDA, the input quantized by one Triton launch (or its
+    FP8 copy taken, where the kernel that wrote x attached one: fp8_copy), then torch._scaled_mm; elsewhere
+    (CPU, float32 on CUDA: tests) the reference. Up to UNIT_SCALE_ROWS rows (decode batches) the product runs
+    with unit scales into float32 and a Triton epilogue applies both scales (bench/fp8_gemm.py: _scaled_mm's
+    row-wise form took about twice its per-tensor form's time there, up to 1.8 x the bfloat16 GEMM); above, the
+    row-wise form, whose float32 sums a larger batch would write twice."""
     if not x.is_cuda or x.dtype != torch.bfloat16:
         return fp8_linear_reference(x, weight, weight_scale, bias, input_scale)
     from replicas.kernels.fp8 import quantize_rows as quantize_on_gpu, scale_product  # triton: CUDA only here
 
     rows = x.reshape(-1, x.shape[-1])
-    xq, x_scale = quantize_on_gpu(rows, input_scale)
+    copy = fp8_copy(x) if input_scale is None else None
+    if copy is not None and copy[0].shape == rows.shape:  # quantized by the kernel that wrote x (an RMSNorm)
+        xq, x_scale = copy
+    else:
+        xq, x_scale = quantize_on_gpu(rows, input_scale)
     if rows.shape[0] <= UNIT_SCALE_ROWS:
         unit = _unit_scale(x.device)
         acc = torch._scaled_mm(xq, weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
@@ -136,6 +141,36 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 UNIT_SCALE_ROWS = 256
+
+# A tensor's per-token FP8 copy, made by the kernel that wrote the tensor (the RMSNorm before an FP8 layer:
+# link_fp8_norms), which fp8_linear reads instead of quantizing the tensor again: one launch and one read of
+# the row fewer per layer. An attribute of that tensor object, so a view, a copy or any other tensor has none,
+# and the GEMM then quantizes as before; the copy equals what kernels.fp8.quantize_rows makes of the tensor.
+_FP8_COPY = "_lorafleet_fp8_copy"
+
+
+def attach_fp8_copy(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """x [..., K] carries q (float8 [rows, K]) and scales (float32 [rows]): x's rows quantized per token."""
+    setattr(x, _FP8_COPY, (q, scales))
+
+
+def fp8_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (q, scales) attached to this tensor object by attach_fp8_copy, or None."""
+    return getattr(x, _FP8_COPY, None)
+
+
+def link_fp8_norms(model: torch.nn.Module) -> int:
+    """Mark each RMSNorm whose output only an FP8 layer with per-token input scales reads (the decoder layers'
+    fp8_norm_readers pairs) to write that layer's FP8 input beside its own output (RMSNorm.fp8_output); returns
+    how many. A layer with a checkpoint's static input scale quantizes with it instead: its norm is left alone."""
+    linked = 0
+    for module in model.modules():
+        pairs = getattr(module, "fp8_norm_readers", None)
+        for norm, reader in pairs() if callable(pairs) else ():
+            if reader.quantized and reader.input_scale is None:
+                norm.fp8_output = True
+                linked += 1
+    return linked
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
 

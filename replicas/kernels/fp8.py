@@ -45,6 +45,19 @@ def _store_quantized(x_row, q_row, scale, width, LIMIT: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
+def quantize_row_values(v, mask, q_ptrs, scale_ptr, LIMIT: tl.constexpr, FLOOR: tl.constexpr):
+    """A row already in registers (float32 values of the model's dtype, v[~mask] ignored), quantized as
+    _quantize_rows_kernel quantizes it from memory: the scale (max |v| / LIMIT, at least FLOOR) to scale_ptr,
+    v / scale clamped and rounded to float8 e4m3 to q_ptrs. For a kernel that has just written the row (the
+    RMSNorm before an FP8 layer: replicas/kernels/fused.py)."""
+    peak = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0)
+    scale = tl.maximum(tl.math.div_rn(peak, LIMIT), FLOOR)
+    tl.store(scale_ptr, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -LIMIT), LIMIT)
+    tl.store(q_ptrs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, width, x_stride, LIMIT: tl.constexpr,
                           FLOOR: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)

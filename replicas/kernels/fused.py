@@ -36,7 +36,9 @@ from triton.language.extra import libdevice
 from lora_core.punica.pending import PendingExpand
 from lora_core.punica.row_expand import row_expand, row_slot
 from replicas.attention import FP8_KV_MAX
+from replicas.kernels.fp8 import quantize_row_values
 from replicas.layers.row_scale import RowScale
+from replicas.quantization import FP8, FP8_MAX, MIN_SCALE, attach_fp8_copy
 
 _MAX_NORM_BLOCK = 8192  # a row up to this wide stays in registers; wider rows are read twice
 # SiluAndMul with a PendingExpand to add (lora_core/punica/pending.py): columns per program, each holding
@@ -57,6 +59,12 @@ def enabled() -> bool:
     switch stays so a suspected kernel bug can be ruled out in one restart.
     """
     return os.environ.get("LORAFLEET_FUSED_OPS", "1") != "0"
+
+
+def fp8_norm_enabled() -> bool:
+    """Whether an RMSNorm before an FP8 layer writes that layer's FP8 input too (RMSNorm.fp8_output): on unless
+    env LORAFLEET_FP8_NORM_QUANT=0 (for A/B runs: the layer then quantizes in its own launch)."""
+    return os.environ.get("LORAFLEET_FP8_NORM_QUANT", "1") != "0"
 
 
 def _launch_opts(t: torch.Tensor) -> dict:
@@ -118,12 +126,14 @@ def _row_inv(part_ptr, row, sp, eps, inv_n, CHUNKS: tl.constexpr, BLOCK_P: tl.co
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, inv_n, N, sx, sr, so, sro,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, eps, inv_n, N, sx, sr, so, sro,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                     PRECISE: tl.constexpr):
+                     PRECISE: tl.constexpr, QUANT: tl.constexpr, LIMIT: tl.constexpr, FLOOR: tl.constexpr):
     """One program per row. A row that fits one block stays in registers; a wider one is read twice.
 
-    The mean is sum * (1/N), as torch's mean reduction computes it."""
+    The mean is sum * (1/N), as torch's mean reduction computes it. QUANT (single pass only): the output row
+    also goes to q_ptr [rows, N] as FP8 with its scale at qs_ptr [rows], as kernels.fp8.quantize_rows would
+    quantize it."""
     row = tl.program_id(0).to(tl.int64)
     x_row, r_row = x_ptr + row * sx, res_ptr + row * sr
     out_row, ro_row = out_ptr + row * so, res_out_ptr + row * sro
@@ -138,8 +148,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, inv_n, N,
         hf = h.to(tl.float32)
         inv = _rsqrt(tl.sum(hf * hf, axis=0) * inv_n + eps, PRECISE)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = w * (hf * inv).to(dtype).to(tl.float32)
-        tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = (w * (hf * inv).to(dtype).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_row + offs, y, mask=mask)
+        if QUANT:
+            quantize_row_values(y.to(tl.float32), mask, q_ptr + row * N + offs, qs_ptr + row, LIMIT, FLOOR)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, N, BLOCK):
@@ -190,7 +202,8 @@ def _scale_consts(row_scale: RowScale | None) -> dict:
     return {"CHUNKS": chunks, "BLOCK_P": triton.next_power_of_2(max(chunks, 1))}
 
 
-def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              quantize: bool = False):
     n = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -200,26 +213,34 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         return out, res_out
     out2, ro2 = out.view(-1, n), res_out.view(-1, n)
     block = min(triton.next_power_of_2(n), _MAX_NORM_BLOCK)
+    quantize = quantize and block >= n  # one pass: the row is in registers when its max is taken
+    q = torch.empty(out2.shape, dtype=FP8, device=x.device) if quantize else out2
+    scales = torch.empty(out2.shape[0], dtype=torch.float32, device=x.device) if quantize else out2
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight.contiguous(), out2, ro2, float(eps), 1.0 / n, n,
+        x2, r2, weight.contiguous(), out2, ro2, q, scales, float(eps), 1.0 / n, n,
         x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=block >= n, PRECISE=x.is_cuda,
-        num_warps=max(1, min(block // 512, 8)), **_launch_opts(x))
+        QUANT=quantize, LIMIT=FP8_MAX, FLOOR=MIN_SCALE, num_warps=max(1, min(block // 512, 8)), **_launch_opts(x))
+    if quantize:
+        attach_fp8_copy(out, q, scales)
     return out, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N], weight [N] -> weight * (x / sqrt(mean(x^2, -1) + eps)).to(x.dtype), norm in float32."""
-    return _rms_norm(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False) -> torch.Tensor:
+    """x [..., N], weight [N] -> weight * (x / sqrt(mean(x^2, -1) + eps)).to(x.dtype), norm in float32.
+    quantize: the output also carries its FP8 copy for an FP8 layer to read (quantization.attach_fp8_copy),
+    made in the same launch; rows wider than one block (_MAX_NORM_BLOCK) carry none."""
+    return _rms_norm(x, None, weight, eps, quantize)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [..., N] -> (rms_norm(h), h) with h = x + residual in x.dtype; both new tensors."""
+                       eps: float, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., N] -> (rms_norm(h), h) with h = x + residual in x.dtype; both new tensors.
+    quantize: as rms_norm's."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
-    return _rms_norm(x, residual, weight, eps)
+    return _rms_norm(x, residual, weight, eps, quantize)
 
 
 @triton.jit

@@ -27,11 +27,16 @@ class RMSNorm(nn.Module):
 
     forward(x) -> y; forward(x, residual) adds first: h = x + residual, and
     returns (norm(h), h) so the caller carries h on as the next residual.
+
+    fp8_output: y is read only by an FP8 layer that quantizes it per token (set by
+    quantization.link_fp8_norms): on CUDA the fused kernel then writes that FP8 copy of a bfloat16 y too and
+    attaches it to y (quantization.fp8_copy), so the layer's GEMM skips its own quantizer launch.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.fp8_output = False
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()),
                                    requires_grad=False)
 
@@ -53,9 +58,10 @@ class RMSNorm(nn.Module):
             lora.apply()  # into x: the output it is owed to
         if fused is None:
             return self.forward_native(x, residual)
+        quantize = self.fp8_output and x.dtype == torch.bfloat16 and fused.fp8_norm_enabled()
         if residual is None:
-            return fused.rms_norm(x, self.weight, self.eps)
-        return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return fused.rms_norm(x, self.weight, self.eps, quantize)
+        return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, quantize)
 
     def forward_deferred(self, x: torch.Tensor, residual: torch.Tensor, lora: PendingExpand):
         """forward(x, residual, lora) -> (y, h, row_scale): where the LoRA kernel runs (CUDA, bfloat16 or

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
+from torch import nn
 
 from lora_core.multimodal_names import image_only, text_model_name
 from replicas.attention import AttentionBackend
@@ -34,6 +35,11 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         super().__init__(config, ctx, backend, layer)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def fp8_norm_readers(self) -> list[tuple[RMSNorm, nn.Module]]:
+        # the post-attention norm feeds the residual add; the pre-feedforward one feeds gate_up_proj
+        return [(self.input_layernorm, self.self_attn.qkv_proj),
+                (self.pre_feedforward_layernorm, self.mlp.gate_up_proj)]
 
     def attention_outputs(self, attn: torch.Tensor, residual: torch.Tensor) -> LayerOutput:
         """attention output -> (the MLP's output normed, the residual it is to be added to, None): every

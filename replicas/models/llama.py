@@ -121,6 +121,11 @@ class LlamaDecoderLayer(nn.Module):
         q, k, v, residual = self.attention_inputs(positions, hidden, residual, lora)
         return self.attention_outputs(self.self_attn.attn(q, k, v, kv_cache, meta), residual)
 
+    def fp8_norm_readers(self) -> list[tuple[RMSNorm, nn.Module]]:
+        """(norm, the linear layer that alone reads the norm's output): where the norm may write that layer's FP8
+        input too (quantization.link_fp8_norms)."""
+        return [(self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm, self.mlp.gate_up_proj)]
+
     # The two halves of the layer around its attention: replicas/piecewise_graphs.py captures them
     # in CUDA graphs and runs the attention between them eagerly.
     def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
