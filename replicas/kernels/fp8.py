@@ -25,23 +25,35 @@ SCALE_BLOCK = 1024
 
 
 @triton.jit
+def _scale_of(peak, LIMIT: tl.constexpr, FLOOR: tl.constexpr):
+    """A row's scale from its max |x|: peak / LIMIT, at least FLOOR (float32, the division correctly rounded)."""
+    return tl.maximum(tl.math.div_rn(peak, LIMIT), FLOOR)
+
+
+@triton.jit
+def _to_fp8(x, scale, LIMIT: tl.constexpr):
+    """float32 x / scale, clamped to +-LIMIT, rounded to the nearest float8 e4m3 (even on ties)."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -LIMIT), LIMIT)
+    return q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _row_scale(x_row, width, LIMIT: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr):
-    """max |x_row[:width]| / LIMIT, at least FLOOR (float32, the division correctly rounded)."""
+    """_scale_of(max |x_row[:width]|)."""
     peak = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         peak = tl.maximum(peak, tl.abs(tl.load(x_row + cols, mask=cols < width, other=0.0).to(tl.float32)))
-    return tl.maximum(tl.math.div_rn(tl.max(peak, axis=0), LIMIT), FLOOR)
+    return _scale_of(tl.max(peak, axis=0), LIMIT, FLOOR)
 
 
 @triton.jit
 def _store_quantized(x_row, q_row, scale, width, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
-    """q_row[:width] = x_row / scale, clamped to +-LIMIT, rounded to the nearest float8 e4m3 (even on ties)."""
+    """q_row[:width] = _to_fp8(x_row, scale)."""
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < width, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -LIMIT), LIMIT)
-        tl.store(q_row + cols, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=cols < width)
+        tl.store(q_row + cols, _to_fp8(x, scale, LIMIT), mask=cols < width)
 
 
 @triton.jit
@@ -50,11 +62,9 @@ def quantize_row_values(v, mask, q_ptrs, scale_ptr, LIMIT: tl.constexpr, FLOOR: 
     _quantize_rows_kernel quantizes it from memory: the scale (max |v| / LIMIT, at least FLOOR) to scale_ptr,
     v / scale clamped and rounded to float8 e4m3 to q_ptrs. For a kernel that has just written the row (the
     RMSNorm before an FP8 layer: replicas/kernels/fused.py)."""
-    peak = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0)
-    scale = tl.maximum(tl.math.div_rn(peak, LIMIT), FLOOR)
+    scale = _scale_of(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0), LIMIT, FLOOR)
     tl.store(scale_ptr, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -LIMIT), LIMIT)
-    tl.store(q_ptrs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(q_ptrs, _to_fp8(v, scale, LIMIT), mask=mask)
 
 
 @triton.jit

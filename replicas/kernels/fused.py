@@ -213,13 +213,14 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         return out, res_out
     out2, ro2 = out.view(-1, n), res_out.view(-1, n)
     block = min(triton.next_power_of_2(n), _MAX_NORM_BLOCK)
-    quantize = quantize and block >= n  # one pass: the row is in registers when its max is taken
+    single_pass = block >= n
+    quantize = quantize and single_pass  # the row is in registers when its max is taken
     q = torch.empty(out2.shape, dtype=FP8, device=x.device) if quantize else out2
     scales = torch.empty(out2.shape[0], dtype=torch.float32, device=x.device) if quantize else out2
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight.contiguous(), out2, ro2, q, scales, float(eps), 1.0 / n, n,
         x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=block >= n, PRECISE=x.is_cuda,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=single_pass, PRECISE=x.is_cuda,
         QUANT=quantize, LIMIT=FP8_MAX, FLOOR=MIN_SCALE, num_warps=max(1, min(block // 512, 8)), **_launch_opts(x))
     if quantize:
         attach_fp8_copy(out, q, scales)
