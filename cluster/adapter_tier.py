@@ -28,6 +28,8 @@ import safetensors.torch
 import torch
 
 from cluster.errors import AdapterNotFoundError, SourceUnavailableError
+from lora_core.adapter_fit import AdapterFit
+from lora_core.errors import InvalidAdapterError
 from lora_core.lora_model import WEIGHTS_NAME, LoRAModel
 from lora_core.peft_helper import CONFIG_NAME
 
@@ -76,13 +78,20 @@ def materialize(blob: AdapterBlob, dest_dir: str | Path) -> Path:
 
 
 def load_blob(name: str, uri: str, adapter_dir: str | Path,
-              expected_lora_modules: Iterable[str] = LLAMA_LORA_MODULES) -> AdapterBlob:
+              expected_lora_modules: Iterable[str] = LLAMA_LORA_MODULES, fit: AdapterFit | None = None) -> AdapterBlob:
     """Validate a fetched adapter directory with lora_core and read it into an AdapterBlob.
 
-    Raises lora_core's InvalidAdapterError subclass naming the file and field at fault.
+    fit, when given, also checks it against the served model's layers and the engine's limits. Raises
+    lora_core's InvalidAdapterError subclass naming the file (under uri, not adapter_dir) and field at fault.
     """
     adapter_dir = Path(adapter_dir)
-    LoRAModel.from_local_checkpoint(adapter_dir, expected_lora_modules)
+    try:
+        if fit is not None:
+            fit.check(adapter_dir)
+        else:
+            LoRAModel.from_local_checkpoint(adapter_dir, expected_lora_modules)
+    except InvalidAdapterError as exc:
+        raise exc.relocated(str(adapter_dir), uri) from None
     config = json.loads((adapter_dir / CONFIG_NAME).read_text(encoding="utf-8"))
     tensors: dict[str, np.ndarray] = {}
     torch_dtypes: dict[str, str] = {}
@@ -124,6 +133,7 @@ class TierMetrics:
 class _Entry:
     value: Any  # what pack() made of the blob
     nbytes: int
+    fit: AdapterFit | None = None  # what it was checked against beyond its format (load's fit)
 
 
 class AdapterTier:
@@ -148,43 +158,57 @@ class AdapterTier:
         self._pack = pack
         self._registry: dict[str, str] = self._load_registry()
         self._cache: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
-        self._inflight: dict[str, tuple[str, asyncio.Future]] = {}
+        # (name, uri, fit, registers) -> the fetch that callers asking the same share
+        self._inflight: dict[tuple[str, str, AdapterFit | None, bool], asyncio.Future] = {}
         self.metrics = TierMetrics()
 
     # ------------------------------------------------------------- registry
 
     def register(self, name: str, uri: str) -> None:
-        """Register (or re-point) an adapter; raises BadAdapterSourceError for a bad uri, nothing read."""
+        """Register (or re-point) an adapter without fetching it; raises BadAdapterSourceError for a bad uri,
+        nothing read. load() is the checked way."""
         self._parse_uri(uri)
-        if self._registry.get(name) == uri:
-            return
-        self._registry[name] = uri
-        self._drop(name)  # a cached copy came from the old uri
-        self._save_registry()
+        if self._registry.get(name) != uri:
+            self._set(name, uri)
 
     def unregister(self, name: str) -> None:
         if name not in self._registry:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        del self._registry[name]
-        self._drop(name)
-        self._save_registry()
+        self._set(name, None)
+
+    def _set(self, name: str, uri: str | None) -> None:
+        """Point name at uri (None: forget it) and persist that, or raise with the registry as it was."""
+        previous = self._registry.get(name)
+        if uri is None:
+            del self._registry[name]
+        else:
+            self._registry[name] = uri
+        try:
+            self._save_registry()
+        except BaseException:
+            if previous is None:
+                self._registry.pop(name, None)
+            else:
+                self._registry[name] = previous
+            raise
+        self._drop(name)  # a cached copy came from the old uri
 
     def registered(self) -> dict[str, str]:
         return dict(self._registry)
 
-    async def load(self, name: str, uri: str) -> Any:
-        """Register and fetch at once (vLLM's load_lora_adapter): a broken adapter stays unregistered."""
-        previous = self._registry.get(name)
-        self.register(name, uri)
-        try:
-            return await self.get(name)
-        except Exception:
-            if self._registry.get(name) == uri:
-                if previous is None:
-                    self.unregister(name)
-                else:
-                    self.register(name, previous)
-            raise
+    async def load(self, name: str, uri: str, fit: AdapterFit | None = None) -> Any:
+        """Fetch and check the adapter at uri, then register it as name (vLLM's load_lora_adapter): all or
+        nothing. fit: the served model's layers and limits, checked too. A broken or unreachable adapter
+        changes nothing: a new name stays unknown, and a name it would re-point keeps its old weights, served
+        throughout. Concurrent loads of one name: the last to finish wins."""
+        self._parse_uri(uri)  # a bad uri fails here, before any I/O
+        entry = self._cache.get(name)
+        if self._registry.get(name) == uri and entry is not None and fit in (None, entry.fit):
+            self._cache.move_to_end(name)
+            self.metrics.hits += 1
+            return entry.value
+        self.metrics.misses += 1
+        return await self._shared_fetch(name, uri, fit, registers=True)
 
     def _load_registry(self) -> dict[str, str]:
         if self._registry_path is None or not self._registry_path.is_file():
@@ -226,39 +250,44 @@ class AdapterTier:
             self.metrics.hits += 1
             return entry.value
         self.metrics.misses += 1
-        inflight = self._inflight.get(name)
-        if inflight is None or inflight[0] != uri:
-            inflight = (uri, asyncio.ensure_future(self._fetch(name, uri)))
-            self._inflight[name] = inflight
-        # shield: one caller giving up must not cancel the fetch the others wait on.
-        return await asyncio.shield(inflight[1])
+        return await self._shared_fetch(name, uri, None, registers=False)
 
-    async def _fetch(self, name: str, uri: str) -> Any:
+    async def _shared_fetch(self, name: str, uri: str, fit: AdapterFit | None, registers: bool) -> Any:
+        key = (name, uri, fit, registers)
+        future = self._inflight.get(key)
+        if future is None:
+            future = self._inflight[key] = asyncio.ensure_future(self._fetch(*key))
+        # shield: one caller giving up must not cancel the fetch the others wait on, nor half-do a load.
+        return await asyncio.shield(future)
+
+    async def _fetch(self, name: str, uri: str, fit: AdapterFit | None, registers: bool) -> Any:
         start = time.perf_counter()
         try:
             self.metrics.origin_fetches += 1
-            blob, value = await asyncio.to_thread(self._fetch_blocking, name, uri)
+            blob, value = await asyncio.to_thread(self._fetch_blocking, name, uri, fit)
         except Exception:
             self.metrics.fetch_errors += 1
             raise
         finally:
-            if self._inflight.get(name, (None,))[0] == uri:
-                del self._inflight[name]
+            del self._inflight[(name, uri, fit, registers)]
         seconds = time.perf_counter() - start
         self.metrics.fetch_latencies_s.append(seconds)
         logger.info("adapter %s fetched from %s: %d bytes in %.2fs", name, uri, blob.nbytes, seconds)
+        if registers and self._registry.get(name) != uri:
+            self._set(name, uri)  # checked: the name serves these weights from now on
         if self._registry.get(name) == uri:  # not unregistered or re-pointed meanwhile
-            self._insert(name, _Entry(value, blob.nbytes))
+            self._insert(name, _Entry(value, blob.nbytes, fit))
         return value
 
-    def _fetch_blocking(self, name: str, uri: str) -> tuple[AdapterBlob, Any]:
+    def _fetch_blocking(self, name: str, uri: str, fit: AdapterFit | None) -> tuple[AdapterBlob, Any]:
         source = self._parse_uri(uri)
         with tempfile.TemporaryDirectory(prefix="lorafleet-adapter-", dir=self._work_dir) as tmp:
             try:
                 adapter_dir = source.fetch(Path(tmp) / "adapter")
             except OSError as exc:  # local disk or network trouble the source did not type itself
-                raise SourceUnavailableError(f"fetching adapter {name!r} from {uri} failed: {exc}") from exc
-            blob = load_blob(name, uri, adapter_dir, self._expected)
+                reason = str(exc).replace(tmp, "<fetch directory>")  # callers see no server-side path
+                raise SourceUnavailableError(f"fetching adapter {name!r} from {uri} failed: {reason}") from exc
+            blob = load_blob(name, uri, adapter_dir, self._expected, fit)
         return blob, self._pack(blob)
 
     def _insert(self, name: str, entry: _Entry) -> None:

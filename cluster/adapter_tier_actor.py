@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import ObjectLostError, OwnerDiedError
 
 from cluster.adapter_tier import LLAMA_LORA_MODULES, AdapterBlob, AdapterTier
+from lora_core.adapter_fit import AdapterFit
 
 DEFAULT_NAME = "lorafleet-adapter-tier"
 
@@ -49,9 +50,9 @@ class AdapterTierActor:
         """An ObjectRef to the AdapterBlob; raises the tier's typed errors (see AdapterTier.get)."""
         return await self._tier.get(name)
 
-    async def load(self, name: str, uri: str) -> None:
-        """Register and fetch now; a broken or unreachable adapter raises and stays unregistered."""
-        await self._tier.load(name, uri)
+    async def load(self, name: str, uri: str, fit: AdapterFit | None = None) -> None:
+        """Fetch, check (against fit too) and register, or change nothing (AdapterTier.load)."""
+        await self._tier.load(name, uri, fit)
 
     def register(self, name: str, uri: str) -> None:
         self._tier.register(name, uri)

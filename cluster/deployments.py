@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve import metrics
 from ray.serve.exceptions import BackPressureError
 
-from cluster.adapter_tier_actor import get_adapter, get_or_create_adapter_tier
+from cluster.adapter_tier_actor import get_or_create_adapter_tier
 from cluster.api import build_api
 from cluster.errors import OverloadedError
 from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced, output_dict
@@ -32,7 +32,8 @@ from cluster.response_store_actor import SharedResponses, get_or_create_response
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
 from cluster.tier_catalog import TierCatalog
-from lora_core.peft_helper import PEFTHelper
+from lora_core.adapter_fit import AdapterFit
+from replicas.lora_setup import served_adapter_fit
 
 
 def _tier(tier_config: dict[str, Any], server: dict[str, Any]):
@@ -135,6 +136,7 @@ class _ReplicaBackend:
         self.tool_parser = None  # the Ingress sets the server's (ServerConfig.tool_call_parser)
         self.reasoning_parser = None  # ... and ServerConfig.reasoning_parser's
         self._decode = None
+        self.fit: AdapterFit | None = None  # what an adapter must fit to register (the Ingress sets its model's)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
         try:
@@ -167,13 +169,9 @@ class _ReplicaBackend:
             from replicas.errors import InvalidRequestError
 
             raise InvalidRequestError([("lora_name", f"{name!r} is the base model's name")])
-        await self.catalog.register(name, uri)  # fetched and validated once, for every replica
-        try:  # and it must fit this deployment's engines, or its first request would fail instead
-            blob = await get_adapter(self.catalog.tier, name)
-            PEFTHelper.from_dict(blob.config, f"{uri}/adapter_config.json").validate_legal(self.lora_config)
-        except Exception:
-            await self.catalog.unregister(name)
-            raise
+        # fetched once for every replica, and checked against this deployment's model and limits before it
+        # counts as registered, or its first request would fail instead; a failure changes nothing
+        await self.catalog.register(name, uri, self.fit)
 
     async def unload_adapter(self, name: str) -> None:
         from cluster.errors import AdapterNotFoundError
@@ -206,7 +204,6 @@ class Ingress:
         model_name = config.served_model_name or ("lorafleet-demo" if config.model == "demo" else
                                                   config.model.rstrip("/").rsplit("/", 1)[-1])
         self.backend = _ReplicaBackend(replicas, self.catalog, model_name, config.default_max_tokens)
-        self.backend.lora_config = config.engine_args("unused").lora_config()
         self.backend.tool_parser, self.backend.reasoning_parser = config.tool_parser, config.reasoning
         if config.model == "demo":
             from replicas.demo_checkpoint import ensure_demo_checkpoint
@@ -214,6 +211,8 @@ class Ingress:
             self.backend.model_dir = str(ensure_demo_checkpoint().model_dir)
         else:
             self.backend.model_dir = config.model
+        self.backend.fit = served_adapter_fit(self.backend.model_dir,
+                                              config.engine_args(self.backend.model_dir).lora_config())
         self.api_keys = api_keys
 
     def __serve_build_asgi_app__(self):

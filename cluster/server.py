@@ -23,10 +23,13 @@ from typing import Any, AsyncIterator, Protocol
 from cluster.errors import AdapterNotFoundError
 from cluster.reasoning import ReasoningParser, reasoning_parser
 from cluster.tool_parsers import ToolParser, tool_parser
+from lora_core.adapter_fit import AdapterFit
+from lora_core.errors import InvalidAdapterError
 from lora_core.request import LoRARequest
 from replicas.async_engine import AsyncLLMEngine
 from replicas.chat_template import chat_prompt_ids
 from replicas.engine import EngineArgs
+from replicas.lora_setup import served_adapter_fit
 from replicas.outputs import RequestOutput
 
 
@@ -38,7 +41,7 @@ DYNAMIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 class AdapterCatalog(Protocol):
     """Where adapters live cluster-wide: name -> local directory, fetched once per cluster."""
 
-    async def register(self, name: str, uri: str) -> None: ...
+    async def register(self, name: str, uri: str, fit: AdapterFit | None = None) -> None: ...  # all or nothing
     async def unregister(self, name: str) -> None: ...
     async def lookup(self, name: str) -> str | None: ...  # the uri, or None if unknown
     async def local_path(self, name: str) -> Path: ...  # a directory with adapter_config.json + safetensors
@@ -124,7 +127,10 @@ class LoRAServer:
         self.model_dir = model_dir
         self.model_name = config.served_model_name or ("lorafleet-demo" if config.model == "demo"
                                                       else os.path.basename(os.path.normpath(model_dir)))
-        self.engine = AsyncLLMEngine(config.engine_args(model_dir))
+        args = config.engine_args(model_dir)
+        self.engine = AsyncLLMEngine(args)
+        # what the catalog checks an adapter against before registering it
+        self.fit = served_adapter_fit(model_dir, args.lora_config())
         self.tokenizer = self.engine.engine.tokenizer
         self._loaded: dict[str, LoRARequest] = {}
         self._loaded_uri: dict[str, str] = {}  # the source each loaded adapter came from
@@ -139,20 +145,33 @@ class LoRAServer:
         """Register the demo and configured adapters in the catalog (idempotent across replicas)."""
         for name, uri in {**self._demo_adapters, **self.config.preload_adapters}.items():
             if await self.catalog.lookup(name) is None:
-                await self.catalog.register(name, uri)
+                await self.catalog.register(name, uri, self.fit)
 
     # ---- adapters -------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, uri: str) -> None:
-        """Register cluster-wide (the catalog fetches and validates it once) and load it here."""
+        """Register cluster-wide (the catalog fetches it once and checks it against this model's layers and
+        limits) and load it here; a failure leaves the name as it was (unknown, or serving its old weights)."""
         if name == self.model_name:
             from replicas.errors import InvalidRequestError
 
             raise InvalidRequestError([("lora_name", f"{name!r} is the base model's name")])
-        await self.catalog.register(name, uri)
-        if name in self._loaded and self._loaded_uri.get(name) != uri:
-            await self._forget(name)  # re-pointed: serve the new weights from now on
-        await self._ensure_loaded(name)
+        previous = await self.catalog.lookup(name)
+        await self.catalog.register(name, uri, self.fit)
+        try:
+            if name in self._loaded and self._loaded_uri.get(name) != uri:
+                await self._forget(name)  # re-pointed: serve the new weights from now on
+            await self._ensure_loaded(name)
+        except Exception:
+            await asyncio.shield(self._restore(name, previous))
+            raise
+
+    async def _restore(self, name: str, uri: str | None) -> None:
+        """Point name back at uri (None: unregister it) after a load that failed past the catalog."""
+        if uri is None:
+            await self._unregister_quietly(name)
+        else:
+            await self.catalog.register(name, uri, self.fit)
 
     async def unload_adapter(self, name: str) -> None:
         if await self.catalog.lookup(name) is None and name not in self._loaded:
@@ -196,9 +215,12 @@ class LoRAServer:
         try:
             path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
             request = LoRARequest(name, next(self._ids), str(path))
-            await self.engine.add_lora(request)
+            try:
+                await self.engine.add_lora(request)
+            except InvalidAdapterError as exc:  # the caller knows the adapter by its uri, not by our copy
+                raise exc.relocated(str(path), uri) from None
         except Exception:
-            if dynamic:  # a broken adapter (a rank above max_lora_rank, say) does not stay registered
+            if dynamic:  # a broken adapter does not stay registered
                 await asyncio.shield(self._unregister_quietly(name))
             raise
         self._loaded[name] = request
@@ -219,7 +241,7 @@ class LoRAServer:
                                        f"'.', '_' and '-', starting with a letter or digit)")
         uri = f"{root}/{name}"
         try:
-            await self.catalog.register(name, uri)
+            await self.catalog.register(name, uri, self.fit)
         except AdapterNotFoundError:
             raise AdapterNotFoundError(f"{unknown}, and {uri} holds no adapter") from None
         return uri

@@ -31,6 +31,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 ACCEPTED_FORMS = ("s3://bucket/prefix, hf://org/repo or hf://org/repo@revision, "
                   "an absolute local directory /path/to/adapter or file:///path/to/adapter")
 _CHUNK = 1 << 20
+# The roots themselves are the operator's to know (the deployment's sources.allowed_local_roots), not a caller's.
+OUTSIDE_ROOTS = "outside the directories this server loads adapters from (its allowed_local_roots)"
 
 
 def is_adapter_file(name: str) -> bool:
@@ -229,7 +231,7 @@ class LocalSource(AdapterSource):
         # The named path must lie under a root as written or as resolved, and so must its real location.
         real_roots = [Path(os.path.realpath(r)) for r in roots]
         if not _under(path, roots + real_roots):
-            raise BadAdapterSourceError(f"{path} is outside the allowed local roots {[str(r) for r in roots]}")
+            raise BadAdapterSourceError(f"{uri!r} is {OUTSIDE_ROOTS}")
         source.resolved()
         return source
 
@@ -238,9 +240,7 @@ class LocalSource(AdapterSource):
         real = Path(os.path.realpath(self.path))
         roots = [Path(os.path.realpath(r)) for r in self.settings.allowed_local_roots]
         if not _under(real, roots):
-            raise BadAdapterSourceError(
-                f"{self.path} resolves to {real}, outside the allowed local roots "
-                f"{[str(r) for r in self.settings.allowed_local_roots]}")
+            raise BadAdapterSourceError(f"{self.path} resolves (through a symlink) to a place {OUTSIDE_ROOTS}")
         return real
 
     def describe(self) -> str:
@@ -256,7 +256,7 @@ class LocalSource(AdapterSource):
             if not is_adapter_file(entry.name) or not entry.is_file():
                 continue
             if not _under(Path(os.path.realpath(entry)), roots):
-                raise BadAdapterSourceError(f"{entry} is a symlink leading outside the allowed local roots")
+                raise BadAdapterSourceError(f"{self.path / entry.name} is a symlink to a place {OUTSIDE_ROOTS}")
             files.append(entry)
         if not any(f.name == ADAPTER_CONFIG for f in files):
             raise AdapterNotFoundError(f"{self.describe()} holds no {ADAPTER_CONFIG}")

@@ -1,9 +1,9 @@
 """TierCatalog: the AdapterCatalog of a Serve replica or ingress, backed by the shared adapter-tier actor.
 
 Registering asks the tier to fetch and validate the adapter once for the
-whole cluster; a replica that needs it reads the tensors from the object
-store (zero-copy on the same node) and writes them to a local directory for
-its engine.
+whole cluster (against the served model too, given its AdapterFit); a
+replica that needs it reads the tensors from the object store (zero-copy on
+the same node) and writes them to a local directory for its engine.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from cluster.adapter_tier import materialize
 from cluster.adapter_tier_actor import get_adapter
+from lora_core.adapter_fit import AdapterFit
 
 
 class TierCatalog:
@@ -22,8 +23,8 @@ class TierCatalog:
         self.tier = tier
         self.cache_dir = Path(cache_dir or tempfile.mkdtemp(prefix="lorafleet-replica-adapters-"))
 
-    async def register(self, name: str, uri: str) -> None:
-        await self.tier.load.remote(name, uri)
+    async def register(self, name: str, uri: str, fit: AdapterFit | None = None) -> None:
+        await self.tier.load.remote(name, uri, fit)
 
     async def unregister(self, name: str) -> None:
         await self.tier.unregister.remote(name)

@@ -34,6 +34,19 @@ class InvalidAdapterError(LoRAError, ValueError):
         # Rebuilt from the constructor's arguments, so the typed error survives pickling (e.g. across Ray).
         return (type(self), (self.path, self.field, self.reason))
 
+    def relocated(self, local: str, shown: str) -> "InvalidAdapterError":
+        """The same error naming ``shown`` where it named the directory ``local``: a server checks its own copy
+        of an adapter, and its caller should read the lora_path it sent, not a server-side temporary path."""
+        def swap(value: object) -> object:
+            if isinstance(value, InvalidAdapterError):
+                return value.relocated(local, shown)
+            if isinstance(value, list):
+                return [swap(v) for v in value]
+            return value.replace(local, shown) if isinstance(value, str) else value
+
+        cls, args = self.__reduce__()
+        return cls(*(swap(a) for a in args))
+
 
 class AdapterFileMissingError(InvalidAdapterError):
     """adapter_config.json or the weights file is absent."""
@@ -67,13 +80,18 @@ class NonFiniteWeightError(InvalidAdapterError):
     """A weight holds NaN or Inf."""
 
 
+SHOWN_PROBLEMS = 8
+
+
 class MultipleAdapterProblems(InvalidAdapterError):
     """Several problems at once; ``problems`` lists each as its own error."""
 
     def __init__(self, path: object, problems: list[InvalidAdapterError]) -> None:
         self.problems = problems
-        lines = "; ".join(str(p) for p in problems)
-        super().__init__(path, None, f"{len(problems)} problems: {lines}")
+        # An adapter of another model fails every layer alike: the first few tell the story, all stay in problems
+        lines = "; ".join(str(p) for p in problems[:SHOWN_PROBLEMS])
+        more = f"; and {len(problems) - SHOWN_PROBLEMS} more" if len(problems) > SHOWN_PROBLEMS else ""
+        super().__init__(path, None, f"{len(problems)} problems: {lines}{more}")
 
     def __reduce__(self):
         return (type(self), (self.path, self.problems))

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lora_core.adapter_fit import AdapterFit
+from lora_core.config import LoRAConfig
 from lora_core.model_manager import LoRAModelManager
 from lora_core.pinned_pool import physical_memory_bytes
 from lora_core.punica import PunicaWrapper
@@ -79,3 +81,16 @@ def build_lora(model: torch.nn.Module, cfg: "RunnerConfig", ctx: ParallelContext
     loads = AdapterLoads(manager, lora_config, specs, processes, pin=device.type == "cuda",
                          switch_interval=cfg.lora_load_switch_interval)
     return LoRAStack(manager, punica, merger, loads)
+
+
+def served_adapter_fit(model: str, lora_config: LoRAConfig) -> AdapterFit:
+    """What an adapter must fit to be served on the model in directory ``model`` under ``lora_config``: the
+    layers build_lora wraps, read off the model built on the meta device (no weights read, no memory taken),
+    so a server without the model loaded (an ingress) checks adapters as its replicas' engines will."""
+    from replicas.model_config import ModelConfig
+    from replicas.models import model_class
+
+    config = ModelConfig.from_pretrained(model, device="meta")
+    with torch.device("meta"):
+        specs = lora_module_specs(model_class(config)(config, None, None))
+    return AdapterFit.of(specs, lora_config)

@@ -93,10 +93,10 @@ def test_a_broken_adapter_under_the_path_is_refused_and_not_registered(dynamic_s
     assert "adapter_config.json" in message and "broken" not in models
 
 
-def test_an_adapter_this_deployment_cannot_serve_is_taken_back(dynamic_stack):
-    """A well-formed adapter whose rank is above the engines' max_lora_rank (32) registers (the catalog checks
-    the files), then fails to load into the engine: a 400 naming the rank, and the name is registered no
-    more, so /v1/models does not list an adapter that cannot serve."""
+def test_an_adapter_this_deployment_cannot_serve_never_registers(dynamic_stack):
+    """A well-formed adapter whose rank is above the engines' max_lora_rank (32): the catalog checks it against
+    the deployment's AdapterFit before registering it, so a 400 naming the rank, and /v1/models does not list
+    an adapter that cannot serve."""
     from safetensors.torch import save_file
 
     from replicas.demo_checkpoint import _PEFT_DEFAULTS, adapter_weights
