@@ -1,7 +1,7 @@
 """AdapterTier: the cluster's shared adapter cache, between the replicas' host caches and the origins.
 
-It keeps the registry of adapters (name -> source uri, persisted so a restart
-forgets none), fetches an adapter from its origin once however many callers
+It keeps the registry of adapters (adapter_registry.py: name -> source uri,
+persisted so a restart forgets none, followed by the replicas), fetches an adapter from its origin once however many callers
 miss on it at the same time, validates it with lora_core before anyone sees
 it, and caches it LRU by bytes. Plain asyncio and no Ray: the actor in
 adapter_tier_actor.py wraps it and stores each blob in the object store
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import tempfile
 import time
 from collections import OrderedDict, deque
@@ -27,6 +26,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
+from cluster.adapter_registry import AdapterRegistry
 from cluster.errors import AdapterNotFoundError, SourceUnavailableError
 from lora_core.adapter_fit import AdapterFit
 from lora_core.errors import InvalidAdapterError
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 # modules of models that store them so (Phi-3), which the replicas split into q/k/v and gate/up.
 LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                       "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head")
-REGISTRY_FILE = "adapters.json"
 
 
 @dataclass
@@ -152,11 +151,10 @@ class AdapterTier:
                  pack: Callable[[AdapterBlob], Any] = lambda blob: blob) -> None:
         self._parse_uri = parse_uri
         self.capacity_bytes = capacity_bytes
-        self._registry_path = Path(registry_dir) / REGISTRY_FILE if registry_dir is not None else None
         self._work_dir = Path(work_dir) if work_dir is not None else None
         self._expected = tuple(expected_lora_modules)
         self._pack = pack
-        self._registry: dict[str, str] = self._load_registry()
+        self._registry = AdapterRegistry(registry_dir)
         self._cache: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
         # (name, uri, fit, registers) -> the fetch that callers asking the same share
         self._inflight: dict[tuple[str, str, AdapterFit | None, bool], asyncio.Future] = {}
@@ -172,29 +170,21 @@ class AdapterTier:
             self._set(name, uri)
 
     def unregister(self, name: str) -> None:
-        if name not in self._registry:
+        if self._registry.get(name) is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
         self._set(name, None)
 
     def _set(self, name: str, uri: str | None) -> None:
-        """Point name at uri (None: forget it) and persist that, or raise with the registry as it was."""
-        previous = self._registry.get(name)
-        if uri is None:
-            del self._registry[name]
-        else:
-            self._registry[name] = uri
-        try:
-            self._save_registry()
-        except BaseException:
-            if previous is None:
-                self._registry.pop(name, None)
-            else:
-                self._registry[name] = previous
-            raise
+        self._registry.set(name, uri)  # persisted first: raises with nothing changed
         self._drop(name)  # a cached copy came from the old uri
 
     def registered(self) -> dict[str, str]:
-        return dict(self._registry)
+        return self._registry.names()
+
+    @property
+    def registry(self) -> AdapterRegistry:
+        """The names, and their watchers (the replicas follow it: AdapterRegistry.watch)."""
+        return self._registry
 
     async def load(self, name: str, uri: str, fit: AdapterFit | None = None) -> Any:
         """Fetch and check the adapter at uri, then register it as name (vLLM's load_lora_adapter): all or
@@ -209,28 +199,6 @@ class AdapterTier:
             return entry.value
         self.metrics.misses += 1
         return await self._shared_fetch(name, uri, fit, registers=True)
-
-    def _load_registry(self) -> dict[str, str]:
-        if self._registry_path is None or not self._registry_path.is_file():
-            return {}
-        # A file we cannot read is an error, not an empty registry: serving on would forget adapters.
-        data = json.loads(self._registry_path.read_text(encoding="utf-8"))
-        return {str(k): str(v) for k, v in data["adapters"].items()}
-
-    def _save_registry(self) -> None:
-        if self._registry_path is None:
-            return
-        self._registry_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".adapters-", suffix=".json", dir=self._registry_path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"adapters": self._registry}, f, indent=2, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._registry_path)  # atomic: a crash leaves the old file or the new one
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
     # ---------------------------------------------------------------- cache
 

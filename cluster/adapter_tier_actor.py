@@ -60,6 +60,17 @@ class AdapterTierActor:
     def unregister(self, name: str) -> None:
         self._tier.unregister(name)
 
+    async def unload(self, name: str, timeout_s: float = 5.0) -> list[str]:
+        """Unregister, then wait until every replica following the registry has the change: after this
+        returns, no replica serves the adapter to a later request. The watchers still behind at timeout_s."""
+        self._tier.unregister(name)
+        return await self._tier.registry.settled(timeout_s=timeout_s)
+
+    async def watch(self, watcher: str, epoch: str | None, applied: int,
+                    timeout_s: float = 10.0) -> tuple[str, int, dict[str, str]]:
+        """A replica's long poll of the registry (AdapterRegistry.watch)."""
+        return await self._tier.registry.watch(watcher, epoch, applied, timeout_s)
+
     def registered(self) -> dict[str, str]:
         return self._tier.registered()
 

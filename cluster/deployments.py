@@ -61,6 +61,7 @@ class LoRAReplica:
         self.server = LoRAServer(ServerConfig(**server), TierCatalog(_tier(tier, server)))
         self._started = asyncio.Lock()
         self._ready = False
+        self._following: asyncio.Task | None = None
         # Serve's metrics (exported through Ray's Prometheus endpoint), fed from the server's counters.
         self._hits = metrics.Counter("lorafleet_adapter_hits", "Adapter requests by the tier that held the adapter",
                                      tag_keys=("tier",))
@@ -76,10 +77,18 @@ class LoRAReplica:
         self._reported_loads = 0
 
     async def _start(self) -> None:
+        self._follow_registry()
         async with self._started:
             if not self._ready:
                 await self.server.start()
                 self._ready = True
+
+    def _follow_registry(self) -> None:
+        """Apply the cluster registry's changes as they happen, so that an unload that returned has reached
+        this replica (TierCatalog.follow); started with the replica's first call, its routing stats."""
+        if self._following is None:
+            self._following = asyncio.get_running_loop().create_task(
+                self.server.catalog.follow(self.server.sync_registry))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         """The request's outputs as cluster/output_stream.py's deltas (the ingress rebuilds them), at most one
@@ -113,8 +122,7 @@ class LoRAReplica:
         return await self.server.models()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        if self._ready:
-            await self.server.sync_registry()  # drop adapters unloaded cluster-wide
+        self._follow_registry()
         stats = self.server.routing_stats()
         stats["base_model"] = self.server.model_name
         return stats
@@ -124,6 +132,8 @@ class LoRAReplica:
             raise RuntimeError("the engine stopped")
 
     async def __del__(self) -> None:  # Serve calls this when the replica shuts down
+        if self._following is not None:
+            self._following.cancel()
         await self.server.shutdown()
 
 

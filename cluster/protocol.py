@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.adapter_names import adapter_name_problem
 
 
 class _Body(BaseModel):
@@ -174,8 +176,16 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 class LoadLoRAAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-/:]*$")
+    lora_name: str  # cluster/adapter_names.py's rule
     lora_path: str = Field(min_length=1)
+
+    @field_validator("lora_name")
+    @classmethod
+    def _a_name(cls, name: str) -> str:
+        problem = adapter_name_problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
 
 
 class UnloadLoRAAdapterRequest(_Body):

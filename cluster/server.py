@@ -13,13 +13,13 @@ import asyncio
 import collections
 import itertools
 import os
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Protocol
 
+from cluster.adapter_names import DYNAMIC_NAME, adapter_name_problem
 from cluster.errors import AdapterNotFoundError
 from cluster.reasoning import ReasoningParser, reasoning_parser
 from cluster.tool_parsers import ToolParser, tool_parser
@@ -34,8 +34,6 @@ from replicas.outputs import RequestOutput
 
 
 ADAPTER_GPU_HIT, ADAPTER_HOST_HIT, ADAPTER_TIER_LOAD = "gpu", "host", "object_store"
-# An adapter name dynamic loading appends to its path: one path segment, nothing to climb out of it with.
-DYNAMIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
 class AdapterCatalog(Protocol):
@@ -81,6 +79,9 @@ class ServerConfig:
                 raise ValueError(f"dynamic_lora_loading_path must be a non-empty uri prefix, got "
                                  f"{self.dynamic_lora_loading_path!r}")
             self.dynamic_lora_loading_path = self.dynamic_lora_loading_path.rstrip("/")
+        bad = [p for p in map(adapter_name_problem, self.preload_adapters) if p]
+        if bad:
+            raise ValueError(f"preload_adapters: {'; '.join(bad)}")
 
     def engine_args(self, model_dir: str) -> EngineArgs:
         args = dict(enable_lora=True, max_loras=4, max_lora_rank=64)
@@ -134,6 +135,8 @@ class LoRAServer:
         self.tokenizer = self.engine.engine.tokenizer
         self._loaded: dict[str, LoRARequest] = {}
         self._loaded_uri: dict[str, str] = {}  # the source each loaded adapter came from
+        # Loaded adapters whose registration changed since: name -> its new uri, None where unloaded.
+        self._superseded: dict[str, str | None] = {}
         self._loading: dict[str, _NameLock] = {}  # one load at a time per adapter name
         self._ids = itertools.count(1)
         self._inflight = 0
@@ -159,8 +162,7 @@ class LoRAServer:
         previous = await self.catalog.lookup(name)
         await self.catalog.register(name, uri, self.fit)
         try:
-            if name in self._loaded and self._loaded_uri.get(name) != uri:
-                await self._forget(name)  # re-pointed: serve the new weights from now on
+            await self.sync_registry()  # a re-point: the new weights serve from now on (or once the old drain)
             await self._ensure_loaded(name)
         except Exception:
             await asyncio.shield(self._restore(name, previous))
@@ -174,15 +176,18 @@ class LoRAServer:
             await self.catalog.register(name, uri, self.fit)
 
     async def unload_adapter(self, name: str) -> None:
+        """Unregister cluster-wide; from now on no request for name is served here (those running finish)."""
         if await self.catalog.lookup(name) is None and name not in self._loaded:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
         await self.catalog.unregister(name)
-        if name in self._loaded:
-            await self.engine.remove_lora(name)
-            del self._loaded[name]
-            self._loaded_uri.pop(name, None)
+        await self.sync_registry()
 
     async def _ensure_loaded(self, name: str) -> LoRARequest:
+        request = self._loaded.get(name)
+        if request is not None and name in self._superseded and not await self._forget(name):
+            if self._superseded[name] is None:  # unloaded, and still running requests that came before
+                raise AdapterNotFoundError(f"adapter {name!r} was unloaded")
+            # re-pointed: the old weights serve until their running requests finish, then the new ones
         request = self._loaded.get(name)
         if request is not None:
             gpu = name in self.routing_stats()["gpu_adapters"]
@@ -252,19 +257,27 @@ class LoRAServer:
         except AdapterNotFoundError:
             pass  # another replica's failed load took it back already
 
-    async def sync_registry(self) -> None:
-        """Forget adapters that were unregistered cluster-wide and no request uses now."""
-        registered = await self.catalog.registered()
-        for name in [n for n in self._loaded if registered.get(n) != self._loaded_uri.get(n)]:
-            await self._forget(name)  # unregistered, or the name now points at other weights
+    async def sync_registry(self, registered: dict[str, str] | None = None) -> None:
+        """Take the cluster's registry (the catalog's now, by default): an adapter loaded here that was
+        unregistered serves no later request, one re-pointed serves its new weights once the requests
+        running on its old ones finish; the engine drops either as soon as no request uses it."""
+        registered = await self.catalog.registered() if registered is None else registered
+        for name in list(self._loaded):
+            uri = registered.get(name)
+            if uri == self._loaded_uri[name]:
+                self._superseded.pop(name, None)  # unloaded and loaded again from where it was: still good
+            else:
+                self._superseded[name] = uri
+                await self._forget(name)
 
     async def _forget(self, name: str) -> bool:
         try:
             await self.engine.remove_lora(name)
-        except Exception:  # noqa: BLE001 - still in use: the next sync tries again
+        except Exception:  # noqa: BLE001 - still in use: the next sync or request tries again
             return False
         del self._loaded[name]
         self._loaded_uri.pop(name, None)
+        self._superseded.pop(name, None)
         return True
 
     async def models(self) -> list[dict[str, Any]]:

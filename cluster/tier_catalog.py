@@ -8,14 +8,23 @@ the same node) and writes them to a local directory for its engine.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import tempfile
+import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from cluster.adapter_tier import materialize
 from cluster.adapter_tier_actor import get_adapter
 from lora_core.adapter_fit import AdapterFit
+
+logger = logging.getLogger(__name__)
+
+WATCH_POLL_S = 10.0  # a follower's long poll; it renews the follower's lease at the tier
+UNLOAD_SETTLE_S = 5.0  # how long an unload waits for every follower to confirm
 
 
 class TierCatalog:
@@ -27,7 +36,26 @@ class TierCatalog:
         await self.tier.load.remote(name, uri, fit)
 
     async def unregister(self, name: str) -> None:
-        await self.tier.unregister.remote(name)
+        """Returns once every replica following the registry has dropped name (or UNLOAD_SETTLE_S passed)."""
+        behind = await self.tier.unload.remote(name, UNLOAD_SETTLE_S)
+        if behind:
+            logger.warning("adapter %s unregistered; %d replica(s) did not confirm within %.0f s", name,
+                           len(behind), UNLOAD_SETTLE_S)
+
+    async def follow(self, apply: Callable[[dict[str, str]], Awaitable[None]]) -> None:
+        """Apply every change of the cluster's registry as it happens (runs until cancelled): apply(names)
+        has finished before the tier hears that this follower has the change (AdapterRegistry.settled)."""
+        watcher, epoch, applied = uuid.uuid4().hex, None, -1
+        while True:
+            try:
+                epoch, generation, names = await self.tier.watch.remote(watcher, epoch, applied, WATCH_POLL_S)
+                await apply(names)
+                applied = generation
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the tier restarting, say: follow on after a pause
+                logger.warning("following the adapter registry failed; retrying", exc_info=True)
+                await asyncio.sleep(1.0)
 
     async def lookup(self, name: str) -> str | None:
         return (await self.tier.registered.remote()).get(name)

@@ -22,7 +22,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cluster.adapter_tier import AdapterTier, REGISTRY_FILE
+from cluster.adapter_registry import REGISTRY_FILE
+from cluster.adapter_tier import AdapterTier
 from lora_core.config import LoRAConfig
 from lora_core.errors import InvalidAdapterError
 from replicas.demo_checkpoint import ensure_demo_checkpoint
@@ -200,3 +201,42 @@ def test_a_path_outside_the_roots_does_not_list_the_roots(stack):
     refused = run(stack, go)
     assert refused.status_code == 400 and "allowed" in refused.text
     assert str(stack[3]) not in refused.text, refused.text  # the server's roots are the operator's business
+
+
+def test_an_unloaded_adapter_serves_no_later_request(stack, adapters):
+    """Unload while a stream on the adapter runs: the unload answers 200 at once, a request sent after it is a
+    404, the running stream still finishes whole, and the engine lets go of the adapter once it has."""
+    shutil.copytree(adapters["good"], adapters["good"].parent / "short-lived", dirs_exist_ok=True)
+    server = stack[2]
+
+    async def go(c):
+        assert (await _load(c, "short-lived", adapters["good"].parent / "short-lived")).status_code == 200
+        stream = await c.completions.create(model="short-lived", prompt="SELECT", max_tokens=48, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+        chunks = [await stream.__anext__()]  # under way
+        unloaded = await c._client.post("http://127.0.0.1/v1/unload_lora_adapter", json={"lora_name": "short-lived"})
+        with pytest.raises(openai.NotFoundError):
+            await c.completions.create(model="short-lived", prompt="SELECT", max_tokens=2)
+        chunks += [chunk async for chunk in stream]
+        with pytest.raises(openai.NotFoundError):  # after the stream: the engine drops it on this request
+            await c.completions.create(model="short-lived", prompt="SELECT", max_tokens=2)
+        return unloaded, chunks, [m.id for m in (await c.models.list()).data], await server.engine.list_loras()
+
+    unloaded, chunks, models, engine_loras = run(stack, go)
+    assert unloaded.status_code == 200, unloaded.text
+    assert sum(len(ch.choices[0].text) > 0 for ch in chunks if ch.choices) >= 40
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert "short-lived" not in models and "short-lived" not in [r.lora_name for r in engine_loras]
+
+
+@pytest.mark.parametrize("name,ok", [("sql-v2", True), ("team-a/sql.v2", True), ("org/name:3", True),
+                                     ("a/../../b", False), ("a..b", False), ("../x", False), ("a/b/c", False),
+                                     (".hidden", False), ("a/", False), ("x" * 201, False), ("sp ace", False)])
+def test_adapter_names_follow_the_documented_rule(stack, adapters, name, ok):
+    async def go(c):
+        return await _load(c, name, adapters["good"])
+
+    answer = run(stack, go)
+    assert answer.status_code == (200 if ok else 400), answer.text
+    if not ok:
+        assert "lora_name" in answer.text and name not in stack[2].catalog._uris
