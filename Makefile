@@ -1,6 +1,6 @@
 # Two entry points, both working on a fresh machine with no GPU:
 #   make demo   -- the embedded demo: `serve run deploy/config.yaml` on http://127.0.0.1:8000
-#   make test   -- install everything into .venv and run the test suite
+#   make test   -- install everything into .venv and run the test suite; any skip but a gpu test's fails it
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: install test demo
 install: $(VENV)/.installed
 
+# -rs prints every skip's reason; --strict-skips (tests/skip_gate.py) fails the run on any skip but a gpu
+# test's on a machine without CUDA, so a missing dependency or server binary cannot pass as a green skip.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -rs --strict-skips -p no:cacheprovider tests
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/serve run deploy/config.yaml

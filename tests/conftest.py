@@ -3,12 +3,17 @@
 Without a GPU the Triton kernels run under Triton's interpreter; it must be
 switched on before triton.jit decorates them, so here, before any test module
 imports lora_core.punica.triton_kernels.
+
+--strict-skips (tests/skip_gate.py; make test passes it) fails a run in which
+anything but a gpu-marked test on a CPU-only machine skips.
 """
 
 import os
 
 import pytest
 import torch
+
+from tests.skip_gate import GPU_SKIP_REASON, pytest_addoption, pytest_configure  # noqa: F401 - the gate's hooks
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,7 +28,7 @@ torch.set_num_threads(1)
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

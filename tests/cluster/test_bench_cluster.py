@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("ray")
-
 ROOT = Path(__file__).resolve().parents[2]
 ROUTERS = ("ours", "default", "random")
 NUMERIC = ("requests", "distinct", "slot_hit", "slot_loads", "engine_loads", "origin_fetches",

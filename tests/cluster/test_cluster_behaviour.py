@@ -25,17 +25,17 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple
 
 import httpx
 import pytest
+import ray
+from ray import serve
+from ray._private import state as ray_state
 
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-from ray._private import state as ray_state  # noqa: E402
-
-from cluster.adapter_tier_actor import DEFAULT_NAME as TIER_NAME  # noqa: E402
-from cluster.app import build_app  # noqa: E402
+from cluster.adapter_tier_actor import DEFAULT_NAME as TIER_NAME
+from cluster.app import build_app
 
 APP = "behaviour"
 AUTOSCALE_APP = "behaviour-autoscale"
@@ -46,6 +46,9 @@ NUM_REPLICAS = 3
 K = 3  # distinct adapters in the fetch/affinity test
 ROUNDS = 4
 HTTP_TIMEOUT_S = 60.0
+ROUTING_STATS_TIMEOUT_S = 10.0  # one replica's record_routing_stats: does not hang
+ROUTING_STATS_ATTEMPTS = 3  # snapshots tried (Serve may be replacing a replica) before a failed call fails the test
+ROUTING_STATS_RETRY_S = 1.0
 
 ENGINE = {"dtype": "float32", "max_loras": 2, "max_lora_rank": 32, "num_kv_blocks": 128}
 
@@ -143,22 +146,57 @@ def _replica_actors(app: str) -> dict[str, Any]:
 
 
 def _routing_stats(app: str = APP) -> dict[str, dict]:
-    """Each live replica's record_routing_stats (what the router reads), by replica id."""
-    actors = _replica_actors(app)
-    refs = {rid: actor.record_routing_stats.remote() for rid, actor in actors.items()}
-    stats = {}
-    for rid, ref in refs.items():
-        try:
-            stats[rid] = ray.get(ref, timeout=10)
-        except Exception:  # noqa: BLE001 - a replica going away
-            pass
-    return stats
+    """Every listed replica's record_routing_stats (what the router reads), by replica id.
+
+    All of them or RuntimeError: a replica left out would pass "no other replica holds it" by omission.
+    A snapshot with a failed call is retried (Serve may be replacing a replica), ROUTING_STATS_ATTEMPTS in all.
+    """
+    failed: dict[str, Exception] = {}
+    for attempt in range(ROUTING_STATS_ATTEMPTS):
+        if attempt:
+            time.sleep(ROUTING_STATS_RETRY_S)
+        refs = {rid: actor.record_routing_stats.remote() for rid, actor in _replica_actors(app).items()}
+        if not refs:
+            raise RuntimeError(f"no replica of {app!r} is listed: their routing stats would be vacuous")
+        stats, failed = {}, {}
+        for rid, ref in refs.items():
+            try:
+                stats[rid] = ray.get(ref, timeout=ROUTING_STATS_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - any failure: retried, then reported below
+                failed[rid] = exc
+        if not failed:
+            return stats
+    raise RuntimeError(f"record_routing_stats failed on replicas of {app!r} in {ROUTING_STATS_ATTEMPTS} "
+                       f"attempts; the last attempt's errors: {failed!r}")
 
 
 def _holders(adapter: str, app: str = APP) -> set[str]:
     """Replicas that report `adapter` resident (on GPU or in host memory)."""
     return {rid for rid, s in _routing_stats(app).items()
             if adapter in s["gpu_adapters"] or adapter in s["host_adapters"]}
+
+
+def test_a_replica_whose_stats_call_fails_fails_the_caller(monkeypatch):
+    """It cannot drop out of _holders ("no other replica holds it" by omission): retried, then RuntimeError."""
+    no_answer = ray.exceptions.GetTimeoutError
+    failing = {"silent": ROUTING_STATS_ATTEMPTS}  # calls left that fail, by replica
+
+    def get(rid, timeout):  # the fake actors' refs are their ids
+        if failing.get(rid):
+            failing[rid] -= 1
+            raise no_answer(f"{rid} did not answer")
+        return {"gpu_adapters": ["x"] if rid == "holder" else [], "host_adapters": []}
+
+    actors = {rid: SimpleNamespace(record_routing_stats=SimpleNamespace(remote=lambda rid=rid: rid))
+              for rid in ("holder", "silent")}
+    monkeypatch.setitem(globals(), "_replica_actors", lambda app: actors)
+    monkeypatch.setitem(globals(), "ray", SimpleNamespace(get=get))
+    monkeypatch.setitem(globals(), "ROUTING_STATS_RETRY_S", 0.0)
+    with pytest.raises(RuntimeError, match="record_routing_stats failed .*'silent'"):
+        _holders("x")
+    assert failing["silent"] == 0  # tried ROUTING_STATS_ATTEMPTS times
+    failing["silent"] = ROUTING_STATS_ATTEMPTS - 1  # answers on the last try: no failure
+    assert _holders("x") == {"holder"}
 
 
 def _tier_actor():

@@ -10,10 +10,9 @@ import time
 from collections import Counter, OrderedDict
 
 import pytest
-
-ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-from ray.serve.config import RequestRouterConfig  # noqa: E402
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 STATS_PERIOD_S = 0.1
 PENDING_TTL_S = 1.0

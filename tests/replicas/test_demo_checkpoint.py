@@ -6,17 +6,16 @@ import json
 import time
 import warnings
 
+import peft
 import pytest
 import torch
+import transformers
 
 from lora_core.config import LoRAConfig
 from lora_core.lora_model import LoRAModel
 from lora_core.module_spec import LoRAKind, LoRAModuleSpec
 from replicas import demo_checkpoint
 from replicas.demo_checkpoint import ADAPTERS, MODEL_CONFIG, ensure_demo_checkpoint
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPT = "The quick brown fox"

@@ -12,14 +12,12 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+import triton
+import triton.language as tl
 
-pytest.importorskip("triton")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from replicas import triton_compile  # noqa: E402
-from replicas.spawn import WORKER_CONTEXT  # noqa: E402
-from replicas.triton_compile import CompileAhead, compile_ahead, compile_variant, compile_workers  # noqa: E402
+from replicas import triton_compile
+from replicas.spawn import WORKER_CONTEXT
+from replicas.triton_compile import CompileAhead, compile_ahead, compile_variant, compile_workers
 
 
 @triton.jit
