@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -32,6 +33,8 @@ from replicas.engine import EngineArgs
 from replicas.lora_setup import served_adapter_fit
 from replicas.outputs import RequestOutput
 
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_GPU_HIT, ADAPTER_HOST_HIT, ADAPTER_TIER_LOAD = "gpu", "host", "object_store"
 
@@ -145,10 +148,17 @@ class LoRAServer:
         self.load_latencies: list[float] = []  # seconds to bring an adapter from the tier into the engine
 
     async def start(self) -> None:
-        """Register the demo and configured adapters in the catalog (idempotent across replicas)."""
-        for name, uri in {**self._demo_adapters, **self.config.preload_adapters}.items():
+        """Register the demo and configured adapters in the catalog (idempotent across replicas). A configured
+        adapter this deployment cannot serve fails the start; a demo adapter is left out, with a warning."""
+        preload = self.config.preload_adapters
+        for name, uri in {**self._demo_adapters, **preload}.items():
             if await self.catalog.lookup(name) is None:
-                await self.catalog.register(name, uri, self.fit)
+                try:
+                    await self.catalog.register(name, uri, self.fit)
+                except InvalidAdapterError as exc:
+                    if name in preload:
+                        raise
+                    logger.warning("demo adapter %s not served by this deployment: %s", name, exc.reason)
 
     # ---- adapters -------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -17,12 +18,32 @@ from cluster.app import build_app
 from tests.cluster.conftest import upload_dir
 
 APP = "lorafleet"
+SERVE_READY_TIMEOUT_S = 180  # the app's /health answers 200 within this, or the module's tests fail: does not hang
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _wait_until_healthy(base: str) -> None:
+    """Returns once GET {base}/health answers 200; fails the test after SERVE_READY_TIMEOUT_S."""
+    deadline, last = time.monotonic() + SERVE_READY_TIMEOUT_S, None
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{base}/health", timeout=2)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(1)
+    app = serve.status().applications.get(APP)
+    state = "not deployed" if app is None else f"{app.status} {app.message!r}, deployments: " + ", ".join(
+        f"{name} {d.status} {d.message!r}" for name, d in app.deployments.items())
+    pytest.fail(f"the Serve app {APP!r} was not ready: {base}/health did not answer 200 within "
+                f"{SERVE_READY_TIMEOUT_S} s (last: {last}); app: {state}", pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -35,30 +56,32 @@ def serve_app(tmp_path_factory, s3_server):
     mp = pytest.MonkeyPatch()
     for k, v in env.items():
         mp.setenv(k, v)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {
-        "server": {"model": "demo", "default_max_tokens": 8,
-                   "engine": {"dtype": "float32", "max_loras": 2, "max_lora_rank": 16, "num_kv_blocks": 128}},
-        "tier": {"capacity_bytes": 1 << 28, "registry_dir": str(registry),
-                 "sources": {"s3_endpoint_url": s3_server.endpoint_url}},
-        "replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}, "routing_stats_period_s": 0.5},
-        "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
-    }
-    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    yield base
-    serve.shutdown()
-    ray.shutdown()
-    mp.undo()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {
+            "server": {"model": "demo", "default_max_tokens": 8,
+                       "engine": {"dtype": "float32", "max_loras": 2, "max_lora_rank": 16, "num_kv_blocks": 128}},
+            "tier": {"capacity_bytes": 1 << 28, "registry_dir": str(registry),
+                     "sources": {"s3_endpoint_url": s3_server.endpoint_url}},
+            "replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}, "routing_stats_period_s": 0.5},
+            "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
+        }
+        serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+        base = f"http://127.0.0.1:{port}"
+        _wait_until_healthy(base)
+        yield base
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        mp.undo()
 
+
+def test_an_app_that_never_turns_healthy_fails_the_fixture(monkeypatch):
+    """The readiness wait ends in a failure naming the app, not in tests run against a server that is not up."""
+    monkeypatch.setitem(globals(), "SERVE_READY_TIMEOUT_S", 0.5)
+    monkeypatch.setitem(globals(), "serve", SimpleNamespace(status=lambda: SimpleNamespace(applications={})))
+    with pytest.raises(pytest.fail.Exception, match=f"Serve app '{APP}' was not ready: .*/health .*not deployed"):
+        _wait_until_healthy(f"http://127.0.0.1:{_free_port()}")
 
 def _client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
@@ -118,6 +141,32 @@ def test_adapter_loaded_from_s3_at_run_time(serve_app, s3_client, peft_adapter_d
                      json={"lora_name": "too-big", "lora_path": "s3://adapters/team-b/big"})
     assert big.status_code == 400 and "max_lora_rank" in big.text, big.text
     assert "too-big" not in {m.id for m in client.models.list().data}
+    # re-pointing a serving name to it is refused alike, and the name serves its old weights on
+    repoint = httpx.post(f"{serve_app}/v1/load_lora_adapter", timeout=120,
+                         json={"lora_name": "sql-from-s3", "lora_path": "s3://adapters/team-b/big"})
+    assert repoint.status_code == 400 and "s3://adapters/team-b/big" in repoint.text, repoint.text
+    again = client.completions.create(model="sql-from-s3", prompt="SELECT", max_tokens=5, temperature=0)
+    assert again.choices[0].text == got.choices[0].text
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["sql-from-s3"].root == "s3://adapters/team-a/sql"
+
+
+def test_after_an_unload_returns_no_replica_serves_the_adapter(serve_app, s3_client, peft_adapter_dir):
+    """The adapter loaded and serving on a replica; the unload's answer means every replica refuses it now (the
+    replicas' routing-stats sync alone came 0.2-1 s late)."""
+    s3_client.create_bucket(Bucket="short-lived")
+    upload_dir(s3_client, "short-lived", "sql", peft_adapter_dir)
+    r = httpx.post(f"{serve_app}/v1/load_lora_adapter", timeout=120,
+                   json={"lora_name": "brief", "lora_path": "s3://short-lived/sql"})
+    assert r.status_code == 200, r.text
+    client = _client(serve_app)
+    for _ in range(3):
+        client.completions.create(model="brief", prompt="SELECT", max_tokens=2)
+    gone = httpx.post(f"{serve_app}/v1/unload_lora_adapter", json={"lora_name": "brief"}, timeout=60)
+    assert gone.status_code == 200, gone.text
+    codes = [httpx.post(f"{serve_app}/v1/completions", timeout=60,
+                        json={"model": "brief", "prompt": "SELECT", "max_tokens": 2}).status_code for _ in range(8)]
+    assert codes == [404] * 8
 
 
 def test_errors_and_python_handle(serve_app):
