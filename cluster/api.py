@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import secrets
 import time
 from dataclasses import replace
@@ -24,7 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from cluster import prompt_batch
 from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapterSourceError, OverloadedError,
-                            ResponseNotFoundError, SourceUnavailableError, remote_cause)
+                            ReplicaUnavailableError, ResponseNotFoundError, SourceUnavailableError, is_replica_loss,
+                            remote_cause)
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                               UnloadLoRAAdapterRequest)
 from cluster.chat_request import chat_generation
@@ -36,6 +38,8 @@ from lora_core.errors import InvalidAdapterError, LoRAConfigError, UnknownLoRAEr
 from replicas.errors import EngineDeadError, InvalidRequestError
 from replicas.outputs import CompletionDeltas, RequestOutput
 
+logger = logging.getLogger(__name__)
+
 # (exception types, HTTP status, OpenAI error type); first match wins.
 ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
     ((AuthenticationError,), 401, "authentication_error"),
@@ -43,17 +47,36 @@ ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
     ((InvalidRequestError, BadAdapterSourceError, InvalidAdapterError, LoRAConfigError, ValueError), 400,
      "invalid_request_error"),
     ((OverloadedError,), 429, "rate_limit_error"),
-    ((SourceUnavailableError, EngineDeadError), 503, "service_unavailable"),
+    ((SourceUnavailableError, EngineDeadError, ReplicaUnavailableError), 503, "service_unavailable"),
 ]
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    exc = remote_cause(exc)  # the message is the replica's error, not the Ray traceback around it
+def _status(exc: BaseException) -> tuple[int, str] | None:
+    """(HTTP status, OpenAI error type) of a domain error; None for anything else (a fault: 500)."""
     for types, status, kind in ERROR_STATUS:
         if isinstance(exc, types):
-            break
-    else:
-        status, kind = 500, "internal_error"
+            return status, kind
+    return None
+
+
+def is_domain_error(exc: BaseException) -> bool:
+    """An error the API answers with its own status and message, not a server fault."""
+    return _status(remote_cause(exc)) is not None
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The OpenAI error body for exc. A domain error's message is its own; a fault's names only its kind
+    (the traceback, with whatever Ray put in it, is for the server's log)."""
+    exc = remote_cause(exc)  # the message is the replica's error, not the Ray traceback around it
+    known = _status(exc)
+    if known is None:
+        if is_replica_loss(exc):
+            known, exc = (503, "service_unavailable"), ReplicaUnavailableError("the replica serving this request "
+                                                                              "stopped; retry later")
+        else:
+            logger.error("internal error", exc_info=exc)
+            known, exc = (500, "internal_error"), RuntimeError(f"internal error ({type(exc).__name__})")
+    status, kind = known
     param = ",".join(getattr(exc, "fields", []) or []) or None
     body = {"object": "error", "error": {"message": str(exc), "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
@@ -93,6 +116,10 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
         response = await call_next(request)
         metrics.requests.labels(request.url.path, str(response.status_code)).inc()
         return response
+
+    @app.exception_handler(Exception)
+    async def fault(_request: Request, exc: Exception):  # whatever no route caught: still the OpenAI shape
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request: Request, exc: RequestValidationError):
@@ -169,13 +196,17 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
         return first, _timed(first, stream, _Timing(metrics, model, start))
 
     async def _respond(req: GenerateRequest, body: Any, fmt: Format):
+        req.restartable = not body.stream  # only the last output is kept: a lost replica's run may start over
         started = await _start(req, body.model)
         if isinstance(started, JSONResponse):
             return started
         first, outputs = started
         if not body.stream:
-            async for last in outputs:
-                pass
+            try:
+                async for last in outputs:
+                    pass
+            except Exception as exc:  # noqa: BLE001 - nothing has been sent: a plain HTTP error
+                return error_response(exc)
             return JSONResponse(fmt.full(last))
 
         async def events() -> AsyncIterator[str]:
@@ -198,6 +229,8 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     async def _respond_many(reqs: list[GenerateRequest], body: Any, fmt: Format):
         """Several prompts side by side (cluster/prompt_batch.py); choice i * n + j: prompt i's completion j."""
+        for req in reqs:
+            req.restartable = not body.stream
         start, n = time.monotonic(), body.n
         try:
             batch, firsts = await prompt_batch.start([backend.generate(r) for r in reqs])

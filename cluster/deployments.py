@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -25,8 +26,8 @@ from ray.serve import metrics
 from ray.serve.exceptions import BackPressureError
 
 from cluster.adapter_tier_actor import get_or_create_adapter_tier
-from cluster.api import build_api
-from cluster.errors import OverloadedError
+from cluster.api import build_api, is_domain_error
+from cluster.errors import OverloadedError, ReplicaUnavailableError, is_replica_loss
 from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced, output_dict
 from cluster.response_store_actor import SharedResponses, get_or_create_response_store
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
@@ -34,6 +35,14 @@ from cluster.sources import SourceSettings
 from cluster.tier_catalog import TierCatalog
 from lora_core.adapter_fit import AdapterFit
 from replicas.lora_setup import served_adapter_fit
+
+
+logger = logging.getLogger(__name__)
+
+# A lost replica's request runs once more elsewhere (GenerateRequest.restartable: also after it had output).
+REPLICA_LOSS_RETRIES = 1
+# The key of the stream item that carries a request's own error from the replica to the ingress.
+ERROR_ITEM = "raise"
 
 
 def _tier(tier_config: dict[str, Any], server: dict[str, Any]):
@@ -92,11 +101,17 @@ class LoRAReplica:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
         """The request's outputs as cluster/output_stream.py's deltas (the ingress rebuilds them), at most one
-        per ServerConfig.stream_interval_ms."""
+        per ServerConfig.stream_interval_ms. The request's own error (a bad parameter, an unknown adapter) ends
+        the stream as an item the ingress raises: a failed call would log Ray's traceback for a client error."""
         await self._start()
         encoder = DeltaEncoder()
-        async for out in coalesced(self.server.generate(request), self.server.config.stream_interval_ms / 1e3):
-            yield encoder.encode(out)
+        try:
+            async for out in coalesced(self.server.generate(request), self.server.config.stream_interval_ms / 1e3):
+                yield encoder.encode(out)
+        except Exception as exc:  # noqa: BLE001 - the domain errors travel; a fault raises as it is
+            if not is_domain_error(exc):
+                raise
+            yield {ERROR_ITEM: exc}
         self._export_metrics()
 
     def _export_metrics(self) -> None:
@@ -147,13 +162,38 @@ class _ReplicaBackend:
         self.reasoning_parser = None  # ... and ServerConfig.reasoning_parser's
         self._decode = None
         self.fit: AdapterFit | None = None  # what an adapter must fit to register (the Ingress sets its model's)
+        self.replica_loss_retries = 0  # requests run again elsewhere after their replica was lost
+
+    def metrics_text(self) -> str:
+        """This ingress's own counters, in Prometheus text format."""
+        name = "lorafleet_requests_retried_after_replica_loss"
+        return (f"# HELP {name} Requests run again on another replica after theirs was lost\n"
+                f"# TYPE {name} counter\n{name}_total {self.replica_loss_retries}\n")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
-        try:
-            async for out in self.call_generate(request):
-                yield out
-        except BackPressureError as exc:  # every replica's queue is full (max_queued_requests): HTTP 429
-            raise OverloadedError(f"all replicas are at capacity, retry later ({exc})") from exc
+        """The request's outputs from a replica. A replica lost before the request produced output (or at any
+        point, for a restartable request, whose caller keeps only the last) is replaced: the request runs
+        once more on another (the router has dropped the dead one); lost again, or after output has gone
+        out, it is a ReplicaUnavailableError (HTTP 503)."""
+        for attempt in range(REPLICA_LOSS_RETRIES + 1):
+            produced = False
+            try:
+                async for out in self.call_generate(request):
+                    produced = True
+                    yield out
+                return
+            except BackPressureError as exc:  # every replica's queue is full (max_queued_requests): HTTP 429
+                raise OverloadedError(f"all replicas are at capacity, retry later ({exc})") from exc
+            except Exception as exc:  # noqa: BLE001 - only a lost replica is handled here
+                if not is_replica_loss(exc):
+                    raise
+                if (produced and not request.restartable) or attempt == REPLICA_LOSS_RETRIES:
+                    raise ReplicaUnavailableError(
+                        "the replica serving this request stopped" + (" after it had started answering"
+                                                                       if produced else "; retry later")) from None
+                logger.warning("request %s: its replica was lost (%s); running it on another",
+                               request.request_id, type(exc).__name__)
+                self.replica_loss_retries += 1
 
     def call_generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
         """The replicas' generate stream as cumulative RequestOutputs, called under an internal request id of its
@@ -228,7 +268,10 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         # /v1/responses' store: one actor for every ingress replica, so a follow-up may land on any of them
         responses = SharedResponses(get_or_create_response_store())
-        return build_api(self.backend, self.api_keys, extra_metrics=self.catalog.metrics_text, responses=responses)
+        async def extra_metrics() -> str:
+            return self.backend.metrics_text() + await self.catalog.metrics_text()
+
+        return build_api(self.backend, self.api_keys, extra_metrics=extra_metrics, responses=responses)
 
     async def generate(self, prompt: str | list[int] | None = None, adapter: str | None = None,
                        messages: list[dict] | None = None, stream: bool = False, priority: int = 0,
@@ -240,8 +283,8 @@ class Ingress:
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": prompt}
         request = GenerateRequest(model, sampling, prompt=prompt, messages=messages, priority=priority,
-                                  chat_template_kwargs=chat_template_kwargs)
-        outputs = self.backend.call_generate(request)
+                                  chat_template_kwargs=chat_template_kwargs, restartable=not stream)
+        outputs = self.backend.generate(request)
         if stream:
             return _relay(outputs)
         last = None
@@ -270,7 +313,10 @@ async def _relay(outputs) -> AsyncIterator[dict]:
 
 
 async def _decoded(items) -> AsyncIterator[Any]:
-    """A replica's delta stream (cluster/output_stream.py) as the cumulative RequestOutputs it encodes."""
+    """A replica's delta stream (cluster/output_stream.py) as the cumulative RequestOutputs it encodes; the
+    request's own error, sent as an item, raised here."""
     decoder = DeltaDecoder()
     async for item in items:
+        if ERROR_ITEM in item:
+            raise item[ERROR_ITEM]
         yield decoder.decode(item)

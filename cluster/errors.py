@@ -37,8 +37,22 @@ class OverloadedError(ClusterError, RuntimeError):
     """Too many requests queued on every replica (HTTP 429/503)."""
 
 
+class ReplicaUnavailableError(ClusterError, RuntimeError):
+    """The replica serving a request died or could not be reached, after the request had produced output, or
+    again on its one retry elsewhere (HTTP 503); the message names no Ray internals."""
+
+
 class AuthenticationError(ClusterError, PermissionError):
     """Missing or wrong API key (HTTP 401)."""
+
+
+def is_replica_loss(exc: BaseException) -> bool:
+    """Did the call fail because its replica died or could not be reached (not because of the request)?"""
+    from ray.exceptions import RayActorError, RayTaskError  # RayActorError: died, or unavailable for now
+
+    if isinstance(exc, RayTaskError):
+        exc = getattr(exc, "cause", None)
+    return isinstance(exc, RayActorError)
 
 
 def remote_cause(exc: BaseException) -> BaseException:

@@ -106,6 +106,8 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, for the chat template
     continue_final_message: bool = False  # chat: the last message carried on (replicas/chat_template.py)
     chat_template_kwargs: dict[str, Any] | None = None  # chat: more template variables (Qwen3's enable_thinking)
+    # Its caller keeps only the last output (no stream): a replica lost midway may be replaced by a fresh run
+    restartable: bool = False
 
 
 @dataclass

@@ -141,3 +141,13 @@ def test_app_args_match_the_code(name):
     sources["allowed_local_roots"] = [os.path.expanduser(r) for r in sources.get("allowed_local_roots", [])]
     SourceSettings(**sources)
     assert set(args) <= {"server", "tier", "replica", "ingress", "api_keys"}
+
+
+def test_the_demo_fits_a_two_core_machine_at_its_most_replicas():
+    """Every CPU the demo app asks for at max_replicas, ingress included, fits the 2 cores the demo promises: a
+    replica that cannot be scheduled waits for good, with Serve's "took more than 30s to be scheduled"."""
+    app = _load("config.yaml")["applications"][0]["args"]
+    replica, ingress = app["replica"], app["ingress"]
+    most = replica["autoscaling_config"]["max_replicas"]
+    asked = most * replica["ray_actor_options"]["num_cpus"] + ingress["ray_actor_options"]["num_cpus"]
+    assert asked <= 2, asked

@@ -393,6 +393,69 @@ def test_adapter_tier_killed_restarts_and_refetches(cluster):
     _complete(cluster.base, "fresh-1")
 
 
+LOSS_APP = "behaviour-loss"
+
+
+def _stream(base: str, body: dict) -> tuple[int, list[str]]:
+    """(status, the SSE data events) of a streamed completion."""
+    with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True},
+                      timeout=httpx.Timeout(HTTP_TIMEOUT_S, read=30.0)) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, [r.text]
+        return 200, [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def _retries(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=HTTP_TIMEOUT_S).text
+    return float(re.search(r"^lorafleet_requests_retried_after_replica_loss_total (\S+)$", text, re.M).group(1))
+
+
+def test_a_replica_killed_under_load_fails_no_request_that_had_not_started(ray_cluster, tmp_path_factory):
+    """Two replicas that each run 2 requests and hold 6 more waiting (max_num_seqs 2, max_ongoing_requests 8);
+    one is killed. Every request that had produced nothing, and every non-streamed one, still succeeds (run
+    again on the other replica); a stream already under way ends with an in-band OpenAI error, then [DONE];
+    no answer carries Ray's internals."""
+    serve.delete(APP)  # free the 2 cores for this app (no-op when run alone)
+    args = _app_args(tmp_path_factory.mktemp("registry-loss"), ray_cluster.adapter_root,
+                     {"num_replicas": 2, "max_ongoing_requests": 8})
+    args["server"]["engine"] = {**ENGINE, "max_num_seqs": 2}
+    serve.run(build_app(args), name=LOSS_APP, route_prefix="/loss")
+    base = f"{ray_cluster.base}/loss"
+    _complete(base, BASE_MODEL)
+    retried_before = _retries(base)
+    body = {"model": BASE_MODEL, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+            "temperature": 0}
+
+    def plain() -> tuple[int, str]:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=HTTP_TIMEOUT_S * 2)
+        return r.status_code, r.text
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        futures = [pool.submit(plain) for _ in range(8)] + [pool.submit(_stream, base, body) for _ in range(8)]
+        loaded = _wait_for(lambda: [rid for rid, st in _routing_stats(LOSS_APP).items() if st["queue_len"] >= 6],
+                           60, "a replica holding 6 requests or more")
+        ray.kill(_replica_actors(LOSS_APP)[loaded[0]], no_restart=True)
+        results = [f.result(timeout=HTTP_TIMEOUT_S * 4) for f in futures]
+
+    plains, streams = results[:8], results[8:]
+    assert [status for status, _ in plains] == [200] * 8, [t for status, t in plains if status != 200]
+    assert all(json.loads(t)["usage"]["completion_tokens"] == 40 for _, t in plains)
+    for status, events in streams:
+        assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
+        chunks = [json.loads(e) for e in events[:-1]]
+        errors = [c for c in chunks if c.get("object") == "error"]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+        if errors:  # under way when its replica died: it had output, and it ends with one clean error
+            assert text and chunks[-1] is errors[0] and errors[0]["error"]["code"] == 503, events[-3:]
+            message = errors[0]["error"]["message"]
+            assert not re.search(r"actor|pid|Traceback|ray", message, re.I), message
+        else:
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert _retries(base) > retried_before  # the waiting requests did run again elsewhere
+    serve.delete(LOSS_APP)
+
+
 # ---- autoscaling -------------------------------------------------------------------------------
 
 
