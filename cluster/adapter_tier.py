@@ -11,6 +11,7 @@ through ``pack``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import tempfile
@@ -28,6 +29,7 @@ import torch
 
 from cluster.adapter_registry import AdapterRegistry
 from cluster.errors import AdapterNotFoundError, SourceUnavailableError
+from cluster.prometheus import Histogram
 from lora_core.adapter_fit import AdapterFit
 from lora_core.errors import InvalidAdapterError
 from lora_core.lora_model import WEIGHTS_NAME, LoRAModel
@@ -121,11 +123,13 @@ class TierMetrics:
     evictions: int = 0
     bytes_cached: int = 0
     adapters_cached: int = 0
-    # The latest fetch durations (origin download + validation), for a histogram.
+    # The latest fetch durations (origin download + validation), and all of them as a histogram.
     fetch_latencies_s: deque = field(default_factory=lambda: deque(maxlen=4096))
+    fetch_seconds: Histogram = field(default_factory=Histogram)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "fetch_latencies_s": list(self.fetch_latencies_s)}
+        return {**self.__dict__, "fetch_latencies_s": list(self.fetch_latencies_s),
+                "fetch_seconds": dataclasses.asdict(self.fetch_seconds)}
 
 
 @dataclass
@@ -240,6 +244,7 @@ class AdapterTier:
             del self._inflight[(name, uri, fit, registers)]
         seconds = time.perf_counter() - start
         self.metrics.fetch_latencies_s.append(seconds)
+        self.metrics.fetch_seconds.observe(seconds)
         logger.info("adapter %s fetched from %s: %d bytes in %.2fs", name, uri, blob.nbytes, seconds)
         if registers and self._registry.get(name) != uri:
             self._set(name, uri)  # checked: the name serves these weights from now on

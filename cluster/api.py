@@ -25,11 +25,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from cluster import prompt_batch
 from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapterSourceError, OverloadedError,
-                            ReplicaUnavailableError, ResponseNotFoundError, SourceUnavailableError, is_replica_loss,
-                            remote_cause)
+                            ReplicaUnavailableError, RequestTooLargeError, ResponseNotFoundError,
+                            SourceUnavailableError, is_replica_loss, remote_cause)
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                               UnloadLoRAAdapterRequest)
 from cluster.chat_request import chat_generation
+from cluster.request_limits import MAX_PROMPT_CHARS, MAX_REQUEST_BODY_BYTES, BodyLimit, check_prompt_chars
 from cluster.response_formats import CompletionFormat, Format
 from cluster.responses import add_response_routes
 from cluster.server import GenerateRequest
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 # (exception types, HTTP status, OpenAI error type); first match wins.
 ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
     ((AuthenticationError,), 401, "authentication_error"),
+    ((RequestTooLargeError,), 413, "invalid_request_error"),
     ((AdapterNotFoundError, UnknownLoRAError, ResponseNotFoundError), 404, "not_found_error"),
     ((InvalidRequestError, BadAdapterSourceError, InvalidAdapterError, LoRAConfigError, ValueError), 400,
      "invalid_request_error"),
@@ -98,16 +100,24 @@ class _Metrics:
 
 
 def build_api(backend: Any, api_keys: list[str] | None = None,
-              extra_metrics: Callable[[], str] | None = None, responses: Any = None) -> FastAPI:
+              extra_metrics: Callable[[], str] | None = None, responses: Any = None, *,
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, max_prompt_chars: int = MAX_PROMPT_CHARS,
+              metrics_public: bool = True) -> FastAPI:
     """The HTTP app. backend: model_name, generate(GenerateRequest), models(), load/unload_adapter.
-    responses: where /v1/responses keeps finished responses (cluster/responses.py's store; default: here)."""
+    responses: where /v1/responses keeps finished responses (cluster/responses.py's store; default: here).
+    The request bounds and metrics_public: ServerConfig's fields of those names (cluster/request_limits.py)."""
     app = FastAPI(title="lorafleet", version="0.1.0")
     metrics = _Metrics()
     keys = [k.encode() for k in api_keys or []]
+    open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+    # Added before authenticate, so inside it (Starlette runs the last added outermost): a caller without a key
+    # gets its 401 before any of its body is read or counted.
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes, refuse=error_response)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if keys and request.url.path.startswith("/v1/"):
+        path = request.url.path.removeprefix(request.scope.get("root_path", "").rstrip("/"))  # under a route_prefix
+        if keys and path not in open_paths:
             header = request.headers.get("authorization", "")
             token = header[7:].encode() if header.lower().startswith("bearer ") else b""
             if not any(secrets.compare_digest(token, k) for k in keys):
@@ -123,10 +133,11 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request: Request, exc: RequestValidationError):
-        problems = [(".".join(str(p) for p in e["loc"] if p != "body"), e["msg"]) for e in exc.errors()]
+        fields = [(".".join(str(p) for p in e["loc"] if p != "body"), e["msg"]) for e in exc.errors()]
+        problems = [(field, f"{field}: {msg}" if field else msg) for field, msg in fields]  # the message names it too
         return error_response(InvalidRequestError(problems or [("body", "malformed request body")]))
 
-    add_token_routes(app, backend, error_response)
+    add_token_routes(app, backend, error_response, max_prompt_chars=max_prompt_chars)
 
     @app.get("/health")
     async def health():
@@ -162,6 +173,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         try:
+            check_prompt_chars("prompt", body.prompt_chars(), max_prompt_chars)
             prompts = prompt_batch.engine_prompts(body.prompt)
         except InvalidRequestError as exc:
             return error_response(exc)
@@ -176,6 +188,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         try:
+            check_prompt_chars("messages", body.prompt_chars(), max_prompt_chars)
             req, fmt = chat_generation(body, backend)
         except InvalidRequestError as exc:
             return error_response(exc)
@@ -271,7 +284,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    add_response_routes(app, backend, error_response, _start, responses)
+    add_response_routes(app, backend, error_response, _start, responses, max_prompt_chars=max_prompt_chars)
     app.state.metrics = metrics
     return app
 

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ray import serve
-from ray.serve import metrics
 from ray.serve.exceptions import BackPressureError
 
 from cluster.adapter_tier_actor import get_or_create_adapter_tier
 from cluster.api import build_api, is_domain_error
 from cluster.errors import OverloadedError, ReplicaUnavailableError, is_replica_loss
 from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced, output_dict
+from cluster.replica_metrics import get_or_create_metrics_board, render
+from cluster.router import decisions_text
 from cluster.response_store_actor import SharedResponses, get_or_create_response_store
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
@@ -63,6 +64,14 @@ def _tier(tier_config: dict[str, Any], server: dict[str, Any]):
     return get_or_create_adapter_tier(source_settings=SourceSettings(**sources), **config)
 
 
+def _replica_id() -> str:
+    """This Serve replica's id, the `replica` label of its metrics."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica (a test building the class): any unique name
+        return uuid.uuid4().hex[:8]
+
+
 class LoRAReplica:
     """One engine replica; `record_routing_stats` feeds the adapter-affinity router."""
 
@@ -71,19 +80,8 @@ class LoRAReplica:
         self._started = asyncio.Lock()
         self._ready = False
         self._following: asyncio.Task | None = None
-        # Serve's metrics (exported through Ray's Prometheus endpoint), fed from the server's counters.
-        self._hits = metrics.Counter("lorafleet_adapter_hits", "Adapter requests by the tier that held the adapter",
-                                     tag_keys=("tier",))
-        self._load_seconds = metrics.Histogram("lorafleet_adapter_load_seconds",
-                                               "Seconds to bring an adapter from the cluster tier into the engine",
-                                               boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30])
-        self._merges = metrics.Counter("lorafleet_lora_merges",
-                                       "Adapters merged into the base weights (replicas/lora_merge.py)")
-        self._merged = metrics.Gauge("lorafleet_lora_merged", "1 while an adapter runs merged into the base weights")
-        self._worker_restarts = metrics.Counter("lorafleet_lora_load_worker_restarts",
-                                                "Adapter load worker processes that died and were replaced")
-        self._reported: dict[str, int] = {}  # running total of the server's, by key, as last reported
-        self._reported_loads = 0
+        self._board = get_or_create_metrics_board()  # where the app's /metrics finds this replica's
+        self._replica_id = _replica_id()
 
     async def _start(self) -> None:
         self._follow_registry()
@@ -112,32 +110,19 @@ class LoRAReplica:
             if not is_domain_error(exc):
                 raise
             yield {ERROR_ITEM: exc}
-        self._export_metrics()
-
-    def _export_metrics(self) -> None:
-        for tier, count in self.server.adapter_events.items():
-            self._advance(self._hits, f"hits:{tier}", count, {"tier": tier})
-        for seconds in self.server.load_latencies[self._reported_loads:]:
-            self._load_seconds.observe(seconds)
-        self._reported_loads = len(self.server.load_latencies)
-        merged, merges = self.server.merge_state()
-        self._advance(self._merges, "merges", merges)
-        self._merged.set(int(merged is not None))
-        self._advance(self._worker_restarts, "load_worker_restarts", self.server.load_worker_restarts())
-
-    def _advance(self, counter: Any, key: str, total: int, tags: dict[str, str] | None = None) -> None:
-        """Serve's counter up by what the server's running total under key gained since the last report."""
-        delta = total - self._reported.get(key, 0)
-        if delta > 0:
-            counter.inc(delta, tags=tags)
-            self._reported[key] = total
 
     async def models(self) -> list[dict]:
         await self._start()
         return await self.server.models()
 
     async def record_routing_stats(self) -> dict[str, Any]:
+        """What the router reads (LoRAServer.routing_stats), polled by Serve every routing-stats period; the
+        replica's metrics go to the board at the same pace (not awaited: a slow board holds up no routing)."""
         self._follow_registry()
+        try:
+            self._board.report.remote(self._replica_id, self.server.metrics_samples())
+        except Exception:  # noqa: BLE001 - metrics never cost the router its stats
+            logger.warning("replica metrics snapshot failed", exc_info=True)
         stats = self.server.routing_stats()
         stats["base_model"] = self.server.model_name
         return stats
@@ -264,14 +249,19 @@ class Ingress:
         self.backend.fit = served_adapter_fit(self.backend.model_dir,
                                               config.engine_args(self.backend.model_dir).lora_config())
         self.api_keys = api_keys
+        self.api_limits = config.api_limits()  # build_api's request bounds
 
     def __serve_build_asgi_app__(self):
         # /v1/responses' store: one actor for every ingress replica, so a follow-up may land on any of them
         responses = SharedResponses(get_or_create_response_store())
-        async def extra_metrics() -> str:
-            return self.backend.metrics_text() + await self.catalog.metrics_text()
+        board = get_or_create_metrics_board()
 
-        return build_api(self.backend, self.api_keys, extra_metrics=extra_metrics, responses=responses)
+        async def extra_metrics() -> str:  # this ingress's, the tier's, and every live replica's latest
+            return (self.backend.metrics_text() + decisions_text() + await self.catalog.metrics_text()
+                    + render(await board.live.remote()))
+
+        return build_api(self.backend, self.api_keys, extra_metrics=extra_metrics, responses=responses,
+                         **self.api_limits)
 
     async def generate(self, prompt: str | list[int] | None = None, adapter: str | None = None,
                        messages: list[dict] | None = None, stream: bool = False, priority: int = 0,

@@ -46,6 +46,10 @@ class AuthenticationError(ClusterError, PermissionError):
     """Missing or wrong API key (HTTP 401)."""
 
 
+class RequestTooLargeError(ClusterError):
+    """A request body over the ingress's max_request_body_bytes (HTTP 413), refused before it was parsed."""
+
+
 def is_replica_loss(exc: BaseException) -> bool:
     """Did the call fail because its replica died or could not be reached (not because of the request)?"""
     from ray.exceptions import RayActorError, RayTaskError  # RayActorError: died, or unavailable for now
@@ -63,3 +67,16 @@ def remote_cause(exc: BaseException) -> BaseException:
     if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), BaseException):
         return exc.cause
     return exc
+
+
+class QuotaExceededError(ClusterError):
+    """A tenant (API key or adapter) over its token-rate quota (cluster/quotas.py): HTTP 429 with a Retry-After
+    of retry_after_s seconds (rounded up): by then the tenant's bucket holds what the request needs, unless its
+    other requests take it first."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # pickled (across Ray) with its retry_after_s, which args alone would lose
+        return type(self), (str(self), self.retry_after_s)

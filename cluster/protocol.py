@@ -2,19 +2,30 @@
 
 Unknown fields are ignored, as OpenAI clients send extras; values are checked
 by SamplingParams, whose InvalidRequestError names the field (HTTP 400).
+Types are strict: each field takes the JSON type it declares and no other.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.adapter_names import adapter_name_problem
 
+# Integer bounds against values no tensor or counter holds (max_tokens 2**70): the real limits (the context, the
+# vocabulary, MAX_N, MAX_LOGPROBS) are SamplingParams' and the engine's, which name the field. seed is vLLM's
+# int64 range (a torch generator's).
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: lax pydantic read true as 1 and "0.5" as 0.5, which SamplingParams can no longer tell from the
+    # real thing; an int is still a float (the openai client sends temperature=0). allow_inf_nan: Python's json
+    # reads Infinity, NaN and 1e999 as floats that pass every range check.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class JSONSchemaFormat(_Body):
@@ -43,33 +54,33 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 class _Sampling(_Body):
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: Int32 = -1
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int32 = 0
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
-    allowed_token_ids: list[int] | None = None  # vLLM's extras from here on
-    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[Int32] | None = None  # vLLM's extras from here on
+    truncate_prompt_tokens: Int32 | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0  # vLLM's: lower first, where the server's scheduling_policy is "priority"
+    priority: Int32 = 0  # vLLM's: lower first, where the server's scheduling_policy is "priority"
     response_format: ResponseFormat | None = None  # OpenAI's; the next five are vLLM's (replicas/structured_outputs.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    n: int = 1
+    n: Int32 = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -109,9 +120,14 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]  # a list of prompts: cluster/prompt_batch.py
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]  # a list of prompts: cluster/prompt_batch.py
+    logprobs: Int32 | None = None
     echo: bool = False
+
+    def prompt_chars(self) -> int:
+        """The characters the tokenizer reads, over every prompt (token ids need no tokenizing)."""
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        return sum(len(p) for p in prompts if isinstance(p, str))
 
 
 class ChatMessage(_Body):
@@ -130,6 +146,16 @@ class ChatMessage(_Body):
             if kind not in ("text", "refusal"):
                 raise ValueError(f"content[{i}]: a {kind!r} content part is not supported: this model reads "
                                  f"text only")
+            if not isinstance(part.get(kind, ""), str):
+                raise ValueError(f"content[{i}].{kind} must be a string")
+        return self
+
+    @model_validator(mode="after")
+    def _content_given(self) -> "ChatMessage":
+        """OpenAI's rule: only an assistant message that carries tool_calls may leave content out (null)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (a string or text parts); only an assistant "
+                             f"message with tool_calls may have none")
         return self
 
     def text(self) -> str:
@@ -138,11 +164,19 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+def chat_chars(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> int:
+    """The characters a chat template renders for the tokenizer: the messages' text, their tool calls and the
+    tools (JSON), all of which a client could fill."""
+    structured = [m.tool_calls for m in messages if m.tool_calls] + ([tools] if tools else [])
+    return sum(len(m.text()) for m in messages) + (len(json.dumps(structured, ensure_ascii=False)) if structured
+                                                   else 0)
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: carry the last (assistant) message on, no new turn
     tools: list[dict[str, Any]] | None = None  # OpenAI's functions; tool_choice decides (cluster/tool_calls.py)
@@ -158,6 +192,9 @@ class ChatCompletionRequest(_Sampling):
                              "new turn or carries the last message on")
         return self
 
+    def prompt_chars(self) -> int:
+        return chat_chars(self.messages, self.tools)
+
 
 
 class TokenizeRequest(_Body):
@@ -170,10 +207,13 @@ class TokenizeRequest(_Body):
     tools: list[dict[str, Any]] | None = None  # written by the template, as /v1/chat/completions renders them
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def prompt_chars(self) -> int:
+        return len(self.prompt) if self.prompt is not None else chat_chars(self.messages or [], self.tools)
+
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int32]
 
 class LoadLoRAAdapterRequest(_Body):
     lora_name: str  # cluster/adapter_names.py's rule

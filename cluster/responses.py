@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.chat_request import chat_generation
 from cluster.errors import ResponseNotFoundError
+from cluster.request_limits import MAX_PROMPT_CHARS, check_prompt_chars
 from cluster.response_store import LocalResponses, input_page, stored_inputs
 from cluster.responses_output import ResponseWriter
 from cluster.responses_protocol import ResponsesRequest
@@ -38,10 +39,11 @@ Start = Callable[[GenerateRequest, str], Awaitable["Outputs | JSONResponse"]]
 
 
 def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[BaseException], JSONResponse],
-                        start: Start, store: Any = None) -> None:
+                        start: Start, store: Any = None, *, max_prompt_chars: int = MAX_PROMPT_CHARS) -> None:
     """start(GenerateRequest, model): the request's first output and all its outputs (api.py's), or the
     JSONResponse of the error it met first. store: LocalResponses (the default: a ResponseStore here) or
-    SharedResponses (the Serve app's actor); it is app.state.responses."""
+    SharedResponses (the Serve app's actor); it is app.state.responses. max_prompt_chars bounds the whole
+    conversation a response renders, the stored one included (cluster/request_limits.py)."""
     store = store if store is not None else LocalResponses()
     app.state.responses = store
 
@@ -50,7 +52,9 @@ def add_response_routes(app: FastAPI, backend: Any, error_response: Callable[[Ba
         try:
             history = (await store.get(body.previous_response_id, "previous_response_id")).items \
                 if body.previous_response_id is not None else []
-            req, fmt = chat_generation(body.chat_request(history), backend)
+            chat = body.chat_request(history)
+            check_prompt_chars("input", chat.prompt_chars(), max_prompt_chars)
+            req, fmt = chat_generation(chat, backend)
             inputs = history + stored_inputs(body.input_items(), history)
         except (InvalidRequestError, ResponseNotFoundError) as exc:
             return error_response(exc)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from cluster.protocol import ChatCompletionRequest, ChatMessage, _Body
+from cluster.protocol import ChatCompletionRequest, ChatMessage, Int32, _Body
 from replicas.errors import InvalidRequestError
 
 # vLLM's sampling extras, which the chat request checks and uses as they are (the openai client sends them
@@ -63,7 +63,7 @@ class ResponsesRequest(_Body):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
     tools: list[dict[str, Any]] = Field(default_factory=list)
@@ -78,7 +78,7 @@ class ResponsesRequest(_Body):
     user: str | None = None
     background: bool = False
     truncation: Literal["disabled", "auto"] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     include: list[str] | None = None  # accepted, and nothing more is included
 
     def input_items(self) -> list[dict[str, Any]]:
@@ -187,8 +187,10 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
 
 def _text(content: Any, where: str) -> str:
     """A message's content as text: a string, or text parts (input_text, output_text)."""
-    if content is None or isinstance(content, str):
-        return content or ""
+    if content is None:  # as chat's content: null is a client's bug, not an empty message
+        raise InvalidRequestError([(where, f"{where} is required: a string or a list of input_text parts")])
+    if isinstance(content, str):
+        return content
     if not isinstance(content, list):
         raise InvalidRequestError([(where, "content must be a string or a list of input_text parts")])
     for j, part in enumerate(content):

@@ -27,11 +27,13 @@ accepted request except under Ray Client), and in `decisions` for this router.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, List, Optional
 
 from ray.serve import metrics
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cluster import routing
 from cluster.routing import AdapterAffinityPolicy, InflightTracker, ReplicaStats, adapter_of
 
 
@@ -55,6 +57,9 @@ class AdapterAffinityRouter(RequestRouter):
             raise TypeError(f"unknown request_router_kwargs for AdapterAffinityRouter: {sorted(unknown)}")
         self.policy = AdapterAffinityPolicy(busy_fraction=busy_fraction, busy_queue_len=busy_queue_len,
                                             pending_ttl_s=pending_ttl_s, seed=seed)
+        # Serve pickles this class by value, and with it the values of the globals it names: a set named here
+        # would be the copy's own. Through the module (pickled by reference) it is the process's one set.
+        routing.LIVE_POLICIES.add(self.policy)
         self.inflight = InflightTracker()
         self._base_models = {base_model} if base_model else set()
 
@@ -110,3 +115,14 @@ class AdapterAffinityRouter(RequestRouter):
         """Decision counts by kind since this router started, fixed up when Serve sends a request elsewhere
         (a request a replica rejects is chosen, and counted, again)."""
         return dict(self.policy.decisions)
+
+
+def decisions_text() -> str:
+    """The decisions of this process's routers by kind, in Prometheus text format (the app's /metrics)."""
+    total: Counter[str] = Counter()
+    for policy in list(routing.LIVE_POLICIES):
+        total.update(policy.decisions)
+    name = "lorafleet_router_decisions_total"
+    lines = [f'{name}{{kind="{kind}"}} {count}' for kind, count in sorted(total.items())]
+    return "\n".join([f"# HELP {name} Routing decisions of this ingress's adapter-affinity routers, by kind",
+                      f"# TYPE {name} counter", *lines]) + "\n"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Sequence
@@ -96,6 +97,11 @@ class Decision:
         if replica_id in self.ranking:
             return self.kinds[self.ranking.index(replica_id)]
         return BASE if self.adapter is None else COLD
+
+
+# This process's policies, one per router (Serve makes a router per handle), for the app's /metrics to add up
+# their decisions (cluster/router.py decisions_text). Weak: a router Serve drops leaves nothing behind.
+LIVE_POLICIES: "weakref.WeakSet[AdapterAffinityPolicy]" = weakref.WeakSet()
 
 
 class AdapterAffinityPolicy:

@@ -22,10 +22,13 @@ from typing import Any, AsyncIterator, Protocol
 
 from cluster.adapter_names import DYNAMIC_NAME, adapter_name_problem
 from cluster.errors import AdapterNotFoundError
+from cluster.replica_metrics import ReplicaMetrics, RequestTiming, Sample
 from cluster.reasoning import ReasoningParser, reasoning_parser
+from cluster.request_limits import MAX_PROMPT_CHARS, MAX_REQUEST_BODY_BYTES
 from cluster.tool_parsers import ToolParser, tool_parser
 from lora_core.adapter_fit import AdapterFit
 from lora_core.errors import InvalidAdapterError
+from lora_core.peft_helper import PEFTHelper
 from lora_core.request import LoRARequest
 from replicas.async_engine import AsyncLLMEngine
 from replicas.chat_template import chat_prompt_ids
@@ -69,6 +72,14 @@ class ServerConfig:
     # A streaming request's outputs cross the Serve handle at most once per this many ms (the first and the
     # last at once; cluster/output_stream.coalesced); 0: every engine step's. Ray Serve LLM batches likewise.
     stream_interval_ms: float = 50.0
+    # The ingress's bounds on one HTTP request (cluster/request_limits.py has the defaults' reasons): a body over
+    # max_request_body_bytes is a 413 before it is read or parsed, prompt text over max_prompt_chars characters a
+    # 400 before it is tokenized.
+    max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES
+    max_prompt_chars: int = MAX_PROMPT_CHARS
+    # With api_keys on, /metrics still answers without a key (as vLLM's), so scrapers need none; false: it needs
+    # one too (its labels name every adapter and the paths requested).
+    metrics_public: bool = True
 
     def __post_init__(self) -> None:
         # an unknown name fails the deployment's start
@@ -77,6 +88,12 @@ class ServerConfig:
         if not isinstance(self.stream_interval_ms, (int, float)) or not 0 <= self.stream_interval_ms <= 10_000:
             raise ValueError(f"stream_interval_ms must be a number of milliseconds in [0, 10000], got "
                              f"{self.stream_interval_ms!r}")
+        for name in ("max_request_body_bytes", "max_prompt_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.metrics_public, bool):
+            raise ValueError(f"metrics_public must be true or false, got {self.metrics_public!r}")
         if self.dynamic_lora_loading_path is not None:
             if not isinstance(self.dynamic_lora_loading_path, str) or not self.dynamic_lora_loading_path.strip("/"):
                 raise ValueError(f"dynamic_lora_loading_path must be a non-empty uri prefix, got "
@@ -85,6 +102,11 @@ class ServerConfig:
         bad = [p for p in map(adapter_name_problem, self.preload_adapters) if p]
         if bad:
             raise ValueError(f"preload_adapters: {'; '.join(bad)}")
+
+    def api_limits(self) -> dict[str, Any]:
+        """build_api's keyword arguments of the same names."""
+        return dict(max_request_body_bytes=self.max_request_body_bytes, max_prompt_chars=self.max_prompt_chars,
+                    metrics_public=self.metrics_public)
 
     def engine_args(self, model_dir: str) -> EngineArgs:
         args = dict(enable_lora=True, max_loras=4, max_lora_rank=64)
@@ -147,7 +169,8 @@ class LoRAServer:
         self._inflight = 0
         # Where each adapter request found its adapter (the tier itself counts origin fetches).
         self.adapter_events: collections.Counter[str] = collections.Counter()
-        self.load_latencies: list[float] = []  # seconds to bring an adapter from the tier into the engine
+        self.metrics = ReplicaMetrics()  # the operators' (cluster/replica_metrics.py)
+        self._ranks: dict[str, int] = {}  # each loaded adapter's rank, the label of its requests' timings
 
     async def start(self) -> None:
         """Register the demo and configured adapters in the catalog (idempotent across replicas). A configured
@@ -236,14 +259,17 @@ class LoRAServer:
                 await self.engine.add_lora(request)
             except InvalidAdapterError as exc:  # the caller knows the adapter by its uri, not by our copy
                 raise exc.relocated(str(path), uri) from None
-        except Exception:
+            rank = PEFTHelper.from_local_dir(path).max_rank  # the metrics' label: costs a small JSON read
+        except Exception as exc:
+            self.metrics.load_failed(exc)
             if dynamic:  # a broken adapter does not stay registered
                 await asyncio.shield(self._unregister_quietly(name))
             raise
         self._loaded[name] = request
         self._loaded_uri[name] = uri
+        self._ranks[name] = rank
         self.adapter_events[ADAPTER_TIER_LOAD] += 1
-        self.load_latencies.append(time.monotonic() - start)
+        self.metrics.load_seconds.observe(time.monotonic() - start)
         return request
 
     async def _register_dynamic(self, name: str) -> str:
@@ -283,10 +309,13 @@ class LoRAServer:
                 await self._forget(name)
 
     async def _forget(self, name: str) -> bool:
+        start = time.monotonic()
         try:
             await self.engine.remove_lora(name)
         except Exception:  # noqa: BLE001 - still in use: the next sync or request tries again
             return False
+        self.metrics.unload_seconds.observe(time.monotonic() - start)
+        self._ranks.pop(name, None)
         del self._loaded[name]
         self._loaded_uri.pop(name, None)
         self._superseded.pop(name, None)
@@ -317,12 +346,15 @@ class LoRAServer:
                                   request.continue_final_message, request.chat_template_kwargs)
             prompt = {"prompt_token_ids": ids}
         self._inflight += 1
+        timing = RequestTiming(self.metrics, self._ranks.get(request.model, 0) if lora is not None else 0)
         try:
             async for output in self.engine.generate(prompt, request.sampling, request.request_id, lora,
                                                      priority=request.priority):
+                timing.output(output)
                 yield output
         finally:
             self._inflight -= 1
+        timing.done()
 
     def routing_stats(self) -> dict[str, Any]:
         """What the router reads: adapters resident on GPU / in host memory, free slots, queue depth; and the
@@ -338,6 +370,14 @@ class LoRAServer:
                     queue_len=self._inflight, max_loras=max_loras,
                     adapter_events=dict(self.adapter_events),  # where adapter requests found their adapter
                     merged_adapter=merged, lora_merges=merges, load_worker_restarts=self.load_worker_restarts())
+
+    def metrics_samples(self) -> list[Sample]:
+        """The operators' metrics of this replica, as Prometheus samples (cluster/replica_metrics.py)."""
+        manager = getattr(self.engine.engine.executor.runner, "lora_manager", None)  # rank 0's, read in place
+        scheduler = self.engine.engine.scheduler
+        engine = {"running": scheduler.num_running, "waiting": scheduler.num_waiting}
+        return self.metrics.samples(self.routing_stats(), manager.memory_bytes() if manager else {},
+                                    dict(self.adapter_events), engine)
 
     def load_worker_restarts(self) -> int:
         """Rank 0's adapter load worker pools replaced after a worker died."""

@@ -19,12 +19,14 @@ from typing import Any
 
 from cluster.adapter_tier import materialize
 from cluster.adapter_tier_actor import get_adapter
+from cluster.prometheus import Histogram, text
 from lora_core.adapter_fit import AdapterFit
 
 logger = logging.getLogger(__name__)
 
 WATCH_POLL_S = 10.0  # a follower's long poll; it renews the follower's lease at the tier
 UNLOAD_SETTLE_S = 5.0  # how long an unload waits for every follower to confirm
+FETCH_SECONDS = "lorafleet_adapter_tier_fetch_seconds"
 
 
 class TierCatalog:
@@ -74,10 +76,13 @@ class TierCatalog:
         return materialize(blob, dest)
 
     async def metrics_text(self) -> str:
-        """The tier's counters in Prometheus text format."""
+        """The tier's counters, and its fetches' durations as a histogram, in Prometheus text format."""
         stats = await self.tier.metrics.remote()
-        lines = []
+        samples, families = [], {FETCH_SECONDS: ("histogram", "Seconds to fetch an adapter from its origin and "
+                                                              "validate it")}
         for key, value in sorted(stats.items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                lines.append(f"# TYPE lorafleet_adapter_tier_{key} gauge\nlorafleet_adapter_tier_{key} {value}")
-        return "\n".join(lines) + ("\n" if lines else "")
+                samples.append((f"lorafleet_adapter_tier_{key}", {}, value))
+                families[f"lorafleet_adapter_tier_{key}"] = ("gauge", f"the adapter tier's {key.replace('_', ' ')}")
+        samples += Histogram(**stats["fetch_seconds"]).samples(FETCH_SECONDS)
+        return text(samples, families)

@@ -144,6 +144,13 @@ class LoRAModelManager:
         """Adapter ids holding a GPU slot, least recently used first."""
         return list(self._active)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Adapter memory on this rank: the GPU slots reserved, the part of them holding an adapter, and the
+        host images held (pinned where on CUDA)."""
+        per_slot = self._arena.shape[1]
+        return {"gpu_reserved": self._arena.numel(), "gpu_used": len(self._active) * per_slot,
+                "host": len(self._host) * self.layout.slot_bytes}
+
     def slot_of(self, lora_id: int) -> int | None:
         self._require(lora_id)
         return self._active.get(lora_id)

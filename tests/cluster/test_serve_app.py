@@ -193,3 +193,35 @@ def test_errors_and_python_handle(serve_app):
                                                               max_tokens=4, temperature=0, stream=True))
     assert chunks[-1]["outputs"][0]["text"] == result["outputs"][0]["text"]
     assert len(chunks) >= 2
+
+
+METRICS_TIMEOUT_S = 60  # replicas' snapshots reach /metrics within a few routing-stats periods: does not hang
+
+
+def test_metrics_name_every_series_the_dashboard_queries(serve_app):
+    """Scrape the app's /metrics after traffic: every series a panel of deploy/grafana-dashboard.json queries
+    is there, with both replicas' own series, and the text is what Prometheus' own parser reads."""
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = _client(serve_app)
+    for model in ("lorafleet-demo", "demo-sql", "demo-chat", "demo-sql"):
+        client.completions.create(model=model, prompt="SELECT", max_tokens=3)
+    deadline, text, replicas = time.monotonic() + METRICS_TIMEOUT_S, "", set()
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{serve_app}/metrics", timeout=30).text
+        replicas = set(re.findall(r'^lorafleet_lora_slots_free\{replica="([^"]+)"', text, re.M))
+        if len(replicas) == 2 and "lorafleet_replica_time_to_first_token_seconds_bucket" in text:
+            break
+        time.sleep(0.5)
+    assert len(replicas) == 2, text[-2000:]
+    samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\blorafleet_[a-z0-9_]+", target["expr"])}
+    assert len(queried) >= 15, queried
+    assert queried <= samples, sorted(queried - samples)
+    ranks = set(re.findall(r'^lorafleet_replica_time_to_first_token_seconds_count\{[^}]*rank="(\d+)"', text, re.M))
+    assert {"0", "8"} <= ranks, ranks  # the base model and demo-sql (rank 8) apart
