@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from cluster import prompt_batch
+from cluster import access_log, prompt_batch
 from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapterSourceError, OverloadedError,
                             ReplicaUnavailableError, RequestTooLargeError, ResponseNotFoundError,
                             SourceUnavailableError, is_replica_loss, remote_cause)
@@ -79,6 +79,7 @@ def error_response(exc: BaseException) -> JSONResponse:
             logger.error("internal error", exc_info=exc)
             known, exc = (500, "internal_error"), RuntimeError(f"internal error ({type(exc).__name__})")
     status, kind = known
+    access_log.note(error=str(exc))
     param = ",".join(getattr(exc, "fields", []) or []) or None
     body = {"object": "error", "error": {"message": str(exc), "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
@@ -116,16 +117,25 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
+        record, token = access_log.open_record(request.headers)
+        try:
+            response = await _authenticated(request, call_next)
+        finally:
+            access_log.close_record(token)
+        route = access_log.route_label(app, request.scope)  # a template, never the raw path: bounded labels
+        metrics.requests.labels(route, str(response.status_code)).inc()
+        access_log.write(record, route, response.status_code)
+        response.headers[access_log.REQUEST_ID_HEADER] = record["request_id"]
+        return response
+
+    async def _authenticated(request: Request, call_next):
         path = request.url.path.removeprefix(request.scope.get("root_path", "").rstrip("/"))  # under a route_prefix
         if keys and path not in open_paths:
             header = request.headers.get("authorization", "")
             token = header[7:].encode() if header.lower().startswith("bearer ") else b""
             if not any(secrets.compare_digest(token, k) for k in keys):
-                metrics.requests.labels(request.url.path, "401").inc()
                 return error_response(AuthenticationError("missing or invalid API key (Authorization: Bearer ...)"))
-        response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+        return await call_next(request)
 
     @app.exception_handler(Exception)
     async def fault(_request: Request, exc: Exception):  # whatever no route caught: still the OpenAI shape
@@ -156,6 +166,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        access_log.note(adapter=body.lora_name)
         try:
             await backend.load_adapter(body.lora_name, body.lora_path)
         except Exception as exc:  # noqa: BLE001 - mapped to its status code
@@ -164,6 +175,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        access_log.note(adapter=body.lora_name)
         try:
             await backend.unload_adapter(body.lora_name)
         except Exception as exc:  # noqa: BLE001
@@ -172,6 +184,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
+        access_log.note(adapter=body.model)
         try:
             check_prompt_chars("prompt", body.prompt_chars(), max_prompt_chars)
             prompts = prompt_batch.engine_prompts(body.prompt)
@@ -187,6 +200,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
+        access_log.note(adapter=body.model)
         try:
             check_prompt_chars("messages", body.prompt_chars(), max_prompt_chars)
             req, fmt = chat_generation(body, backend)
@@ -198,6 +212,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
                      ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]] | JSONResponse:
         """The request's first output, and all its outputs from that one on, timed for the metrics. An error
         before the first output is a plain HTTP error: nothing has been sent yet."""
+        access_log.note(adapter=model)
         start = time.monotonic()
         stream = backend.generate(req)
         try:

@@ -225,3 +225,28 @@ def test_metrics_name_every_series_the_dashboard_queries(serve_app):
     assert queried <= samples, sorted(queried - samples)
     ranks = set(re.findall(r'^lorafleet_replica_time_to_first_token_seconds_count\{[^}]*rank="(\d+)"', text, re.M))
     assert {"0", "8"} <= ranks, ranks  # the base model and demo-sql (rank 8) apart
+
+
+def _serve_log_tracebacks() -> int:
+    """Tracebacks in this Ray session's Serve logs (replicas, ingress, proxy, controller) so far."""
+    from pathlib import Path
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return sum(p.read_text(errors="replace").count("Traceback") for p in logs.glob("*.log"))
+
+
+def test_client_errors_log_no_traceback(serve_app):
+    """A request naming no adapter and one with a bad sampling value: their errors reach the client, and no
+    process of the app writes a traceback for them (the replica sends the error as a stream item)."""
+    client = _client(serve_app)
+    client.completions.create(model="demo-sql", prompt="hi", max_tokens=2)
+    time.sleep(1.0)  # Ray's loggers flush to the files
+    before = _serve_log_tracebacks()
+    for _ in range(3):
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-adapter-x", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="demo-chat", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, extra_body={"top_k": -7})
+    time.sleep(1.0)
+    assert _serve_log_tracebacks() == before
