@@ -94,7 +94,7 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | dict, sampling_params: SamplingParams | Mapping | None,
                        request_id: str, lora_request: LoRARequest | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs of one request as tokens arrive; the last has finished=True.
 
         sampling_params may be a mapping of SamplingParams fields (as a server receives them).
@@ -120,7 +120,7 @@ class AsyncLLMEngine:
         done = False
         try:
             await asyncio.wrap_future(
-                self._submit(self._add_request, stream, prompt, sampling_params, lora_request, priority))
+                self._submit(self._add_request, stream, prompt, sampling_params, lora_request, priority, tenant))
             while True:
                 item = await stream.queue.get()
                 # cumulative outputs: a slow consumer may skip to the newest (deltas: each one counts)
@@ -246,10 +246,10 @@ class AsyncLLMEngine:
             command.future.set_result(result)
 
     def _add_request(self, stream: _Stream, prompt: str | dict, params: SamplingParams | None,
-                     lora_request: LoRARequest | None, priority: int) -> None:
+                     lora_request: LoRARequest | None, priority: int, tenant: str | None) -> None:
         if stream.request_id in self._streams:
             raise InvalidRequestError([("request_id", f"request_id {stream.request_id!r} is already in use")])
-        self.engine.add_request(stream.request_id, prompt, params, lora_request, priority)
+        self.engine.add_request(stream.request_id, prompt, params, lora_request, priority, tenant)
         self._streams[stream.request_id] = stream
 
     def _abort(self, request_id: str) -> bool:

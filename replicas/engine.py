@@ -39,8 +39,8 @@ from replicas.grammar import GrammarBackend, SequenceGrammar
 from replicas.model_runner import RunnerConfig
 from replicas.outputs import RequestOutput
 from replicas.parallel_sampling import FanOut, child_id, child_params
-from replicas.request_inputs import (bad_words_ids, check_token_ids, checked_priority, checked_settings, prompt_ids,
-                                     truncated)
+from replicas.request_inputs import (bad_words_ids, check_token_ids, checked_priority, checked_settings,
+                                     checked_tenant, prompt_ids, truncated)
 from replicas.request_state import RequestState
 from replicas.sampled_step import SampledStep, step_input
 from replicas.sampler import Sampler
@@ -86,7 +86,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_loras=args.max_loras if args.enable_lora else 0, max_model_len=self.max_model_len,
-                            policy=args.scheduling_policy),
+                            policy=args.scheduling_policy, fair_prompt_weight=args.fair_prompt_weight,
+                            fair_output_weight=args.fair_output_weight),
             BlockManager(self.executor.runner.num_blocks, args.block_size, args.enable_prefix_caching,
                          mc.long_rope_from))
         self.sampler = Sampler(args.seed)
@@ -164,11 +165,13 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | None = None,
-                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0, tenant: str | None = None) -> None:
         """Queue a request; with params.n > 1, n child sequences that report as one (parallel_sampling.py).
-        priority: lower is served first, under EngineArgs.scheduling_policy "priority" (else it must be 0)."""
+        priority: lower is served first, under EngineArgs.scheduling_policy "priority" (else it must be 0).
+        tenant: whose share it counts against under scheduling_policy "fair" (None: its adapter's); else unused."""
         params = checked_settings(params, lora_request)
         priority = checked_priority(priority, self.args.scheduling_policy)
+        tenant = checked_tenant(tenant)
         text, ids = prompt_ids(self.tokenizer, self.model_config.vocab_size, prompt)
         ids = truncated(ids, params)
         check_token_ids(params, self.model_config.vocab_size)
@@ -179,18 +182,18 @@ class LLMEngine:
             if rid in self._requests or rid in self._fanout:
                 raise InvalidRequestError([("request_id", f"request_id {rid!r} is already in use")])
         # Past the first child's adapter start the others pass every check it passed: whole or not at all.
-        first = self._add_sequence(*children[0], text, ids, lora_request, priority, grammar)
+        first = self._add_sequence(*children[0], text, ids, lora_request, priority, grammar, tenant=tenant)
         if params.n > 1:
             self._fanout.add(request_id, params.n, params.output_kind is RequestOutputKind.FINAL_ONLY)
         # The others wait for the first to compute the prompt, then share its full blocks (scheduler.py).
         bm = self.scheduler.block_manager
         leader = first if bm.enable_prefix_caching and len(ids) > bm.block_size else None
         for cid, child in children[1:]:
-            self._add_sequence(cid, child, text, ids, lora_request, priority, grammar, leader)
+            self._add_sequence(cid, child, text, ids, lora_request, priority, grammar, leader, tenant=tenant)
 
     def _add_sequence(self, request_id: str, params: SamplingParams, text: str | None, ids: list[int],
                       lora_request: LoRARequest | None, priority: int, grammar: object = None,  # compiled
-                      prefix_leader: Sequence | None = None) -> Sequence:
+                      prefix_leader: Sequence | None = None, tenant: str | None = None) -> Sequence:
         loading = False
         if lora_request is not None:
             try:
@@ -198,7 +201,7 @@ class LLMEngine:
             except LoRAError as exc:  # the adapter's own problem, for this request only
                 raise InvalidRequestError([("lora_request", str(exc))]) from exc
         seq = Sequence(request_id, ids, params, lora_request, eos_token_ids=self._eos,
-                       bad_words_ids=bad_words_ids(self.tokenizer, params), priority=priority)
+                       bad_words_ids=bad_words_ids(self.tokenizer, params), priority=priority, tenant=tenant)
         seq.prefix_leader = prefix_leader
         if loading:  # a broken adapter fails this request later, as an output with .error
             self._parked.setdefault(lora_request.lora_int_id, []).append(seq)

@@ -9,7 +9,7 @@ import torch
 from lora_core.config import LoRAConfig
 from replicas.attention import kv_cache_dtype
 from replicas.quantization import check_method
-from replicas.scheduler import POLICIES
+from replicas.scheduler import POLICIES, SchedulerConfig
 
 
 CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")
@@ -38,7 +38,11 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     # "fcfs": requests in arrival order; "priority": by each request's priority (lower first), then arrival, and
     # preemption takes the least urgent running one (replicas/scheduler.py), as vLLM's scheduling_policy.
+    # "fair": tenants (a request's tenant key, else its adapter) take turns by the weighted tokens each was served,
+    # the Virtual Token Counter (replicas/fairness.py): one tenant's flood cannot starve the others.
     scheduling_policy: str = "fcfs"
+    fair_prompt_weight: float = 1.0  # "fair": what a computed prompt token counts against its tenant's share
+    fair_output_weight: float = 2.0  # "fair": what an output token counts (the paper's 2 to 1)
     load_format: str = "auto"  # "dummy": random weights (benchmarks)
     # The noise of requests that give no seed, as vLLM's --seed: set, the same requests met in the same steps
     # draw the same tokens run after run; None: fresh bits from the OS.
@@ -102,6 +106,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        SchedulerConfig(fair_prompt_weight=self.fair_prompt_weight,  # bad weights raise here, before the model loads
+                        fair_output_weight=self.fair_output_weight)
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
         if self.compile_workers is not None and self.compile_workers < 0:

@@ -71,6 +71,14 @@ def checked_priority(priority: object, policy: str) -> int:
     return priority
 
 
+def checked_tenant(tenant: object) -> str | None:
+    """A request's tenant key (scheduling_policy "fair"). Accepted under any policy, unlike a priority: a server
+    passes its callers' keys whatever its engines' policy, and sharing is not a request's own choice."""
+    if tenant is not None and not isinstance(tenant, str):
+        raise InvalidRequestError([("tenant", f"tenant must be a string or None, got {type(tenant).__name__}")])
+    return tenant
+
+
 def truncated(ids: list[int], params: SamplingParams) -> list[int]:
     """The prompt's last truncate_prompt_tokens ids (vLLM's: keep the end, where the question usually is)."""
     k = params.truncate_prompt_tokens

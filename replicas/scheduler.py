@@ -17,6 +17,12 @@ the waiting queue is kept in that order (a preempted sequence goes back to
 its place in it), and the sequence preempted is the running one that comes
 last, the least urgent. Waiting requests never preempt running ones.
 
+With policy "fair", admission follows the Virtual Token Counter (replicas/fairness.py): the next request
+considered is the first waiting one of the tenant (its tenant key, else its adapter) served the fewest
+weighted tokens so far, and the sequence preempted is the latest of the most-served tenant among those not
+yet scheduled in the step. Every limit above, and the skipping, applies to the request considered as it
+applies to the queue's head under "fcfs".
+
 A sequence with a prefix_leader (a sibling of a parallel-sampling request) is
 skipped the same way until its leader has computed the shared prompt: admitted
 then, it finds the prompt's full blocks in the prefix cache, so n completions
@@ -33,10 +39,11 @@ from dataclasses import dataclass, field
 
 from replicas.block_manager import BlockManager
 from replicas.errors import InvalidRequestError
+from replicas.fairness import VirtualTokenCounter
 from replicas.sequence import Sequence, SequenceStatus
 
 
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "fair")
 
 
 @dataclass(frozen=True)
@@ -45,11 +52,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_loras: int = 4
     max_model_len: int | None = None  # prompt + output tokens a sequence may reach
-    policy: str = "fcfs"  # or "priority": Sequence.priority first (module docstring)
+    policy: str = "fcfs"  # or "priority": Sequence.priority first; "fair": tenants by VTC (module docstring)
+    fair_prompt_weight: float = 1.0  # "fair": a tenant's charge per prompt token computed ...
+    fair_output_weight: float = 2.0  # ... and per output token
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        weights = (self.fair_prompt_weight, self.fair_output_weight)
+        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights) \
+                or not any(weights):
+            raise ValueError(f"fair_prompt_weight and fair_output_weight must be numbers >= 0, not both 0, "
+                             f"got {weights}")
         for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_loras", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < low:
@@ -123,6 +137,8 @@ class Scheduler:
         self._finished_since_step: list[Sequence] = []
         self._order: dict[str, int] = {}
         self._counter = 0
+        self.fairness = (VirtualTokenCounter(config.fair_prompt_weight, config.fair_output_weight)
+                         if config.policy == "fair" else None)
 
     # -- admission --------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -148,6 +164,8 @@ class Scheduler:
         self._order[seq.request_id] = self._counter
         self._counter += 1
         self.requests[seq.request_id] = seq
+        if self.fairness is not None:
+            self.fairness.arrive(seq)
         if self.config.policy == "priority":
             bisect.insort(self.waiting, seq, key=self._order_key)
         else:
@@ -199,7 +217,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             while not bm.can_append_slot(seq):
-                victim = self.running[-1]
+                # never one before i: it is in out.scheduled already
+                victim = self.running[-1] if self.fairness is None else self.fairness.victim(self.running[i:])
                 if victim is seq and len(self.running) == 1:
                     # Alone and still no room: the cache cannot hold it at all.
                     self.finish(seq, "length")
@@ -232,7 +251,12 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, loras: set[int]) -> None:
         bm = self.block_manager
         skipped: list[Sequence] = []
+        picks = self.fairness.admission_order(self.waiting) if self.fairness is not None else None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if picks is not None:  # the fair pick comes to the head; the rest is the same for every policy
+                pick = next(picks)  # every pick not yet taken is still waiting: never exhausted here
+                self.waiting.remove(pick)
+                self.waiting.appendleft(pick)
             seq = self.waiting[0]
             lid = seq.lora_int_id
             if (lid and lid not in loras and (not self._slot_free_for(lid, loras) or not self.adapter_ready(lid))
@@ -243,6 +267,8 @@ class Scheduler:
                 break  # memory is first come, first served: a long prompt is not starved
             self.waiting.popleft()
             bm.allocate(seq)
+            if self.fairness is not None:
+                self.fairness.admitted(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._order_key)
             if lid:
@@ -295,6 +321,8 @@ class Scheduler:
             if token is None:
                 raise KeyError(f"no sampled token for {seq.request_id!r}, whose prefill chunk reached its end")
             seq.append_token(token)
+            if self.fairness is not None:
+                self.fairness.generated(seq)
             reason, stop = self._check_stop(seq, token)
             if reason is not None:
                 self.finish(seq, reason, stop)
@@ -335,6 +363,8 @@ class Scheduler:
         seq.set_finished(reason, stop_reason)
         del self.requests[seq.request_id]
         del self._order[seq.request_id]
+        if self.fairness is not None:
+            self.fairness.leave(seq)
         self._finished_since_step.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:

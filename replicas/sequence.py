@@ -59,6 +59,7 @@ class Sequence:
         eos_token_ids: int | Iterable[int] | None = None,
         bad_words_ids: tuple[tuple[int, ...], ...] = (),
         priority: int = 0,
+        tenant: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -73,6 +74,7 @@ class Sequence:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.bad_words_ids = bad_words_ids  # SamplingParams.bad_words as token sequences (request_inputs.py)
         self.priority = priority  # lower first, under the scheduler's "priority" policy
+        self.tenant = tenant  # whose share it counts against under the "fair" policy; None: its adapter's
 
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
