@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import secrets
 import time
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
@@ -25,11 +27,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from cluster import access_log, prompt_batch
 from cluster.errors import (AdapterNotFoundError, AuthenticationError, BadAdapterSourceError, OverloadedError,
-                            ReplicaUnavailableError, RequestTooLargeError, ResponseNotFoundError,
+                            QuotaExceededError, ReplicaUnavailableError, RequestTooLargeError, ResponseNotFoundError,
                             SourceUnavailableError, is_replica_loss, remote_cause)
 from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                               UnloadLoRAAdapterRequest)
 from cluster.chat_request import chat_generation
+from cluster.quotas import QuotaConfig, TokenQuotas, request_cost
 from cluster.request_limits import MAX_PROMPT_CHARS, MAX_REQUEST_BODY_BYTES, BodyLimit, check_prompt_chars
 from cluster.response_formats import CompletionFormat, Format
 from cluster.responses import add_response_routes
@@ -40,6 +43,9 @@ from replicas.errors import EngineDeadError, InvalidRequestError
 from replicas.outputs import CompletionDeltas, RequestOutput
 
 logger = logging.getLogger(__name__)
+# The API key of the request being handled (None without keys): the tenant its quota charges, where quotas are
+# by key. Set by the authenticating middleware, read by the handler's task (a copy of the context).
+_API_KEY: ContextVar[str | None] = ContextVar("lorafleet_api_key", default=None)
 
 # (exception types, HTTP status, OpenAI error type); first match wins.
 ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
@@ -48,7 +54,7 @@ ERROR_STATUS: list[tuple[tuple[type, ...], int, str]] = [
     ((AdapterNotFoundError, UnknownLoRAError, ResponseNotFoundError), 404, "not_found_error"),
     ((InvalidRequestError, BadAdapterSourceError, InvalidAdapterError, LoRAConfigError, ValueError), 400,
      "invalid_request_error"),
-    ((OverloadedError,), 429, "rate_limit_error"),
+    ((OverloadedError, QuotaExceededError), 429, "rate_limit_error"),
     ((SourceUnavailableError, EngineDeadError, ReplicaUnavailableError), 503, "service_unavailable"),
 ]
 
@@ -82,7 +88,18 @@ def error_response(exc: BaseException) -> JSONResponse:
     access_log.note(error=str(exc))
     param = ",".join(getattr(exc, "fields", []) or []) or None
     body = {"object": "error", "error": {"message": str(exc), "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))} if isinstance(exc, QuotaExceededError) \
+        else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _cost(req: GenerateRequest) -> int:
+    """What a request may spend of its quota: its prompt and every token it may generate (quotas.request_cost)."""
+    if isinstance(req.prompt, dict):
+        return request_cost(0, req.sampling["max_tokens"], req.sampling.get("n") or 1,
+                            prompt_tokens=len(req.prompt.get("prompt_token_ids") or ()))
+    chars = len(req.prompt or "") + sum(len(str(m.get("content") or "")) for m in req.messages or ())
+    return request_cost(chars, req.sampling["max_tokens"], req.sampling.get("n") or 1)
 
 
 class _Metrics:
@@ -103,13 +120,15 @@ class _Metrics:
 def build_api(backend: Any, api_keys: list[str] | None = None,
               extra_metrics: Callable[[], str] | None = None, responses: Any = None, *,
               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, max_prompt_chars: int = MAX_PROMPT_CHARS,
-              metrics_public: bool = True) -> FastAPI:
+              metrics_public: bool = True, quotas: QuotaConfig | None = None) -> FastAPI:
     """The HTTP app. backend: model_name, generate(GenerateRequest), models(), load/unload_adapter.
     responses: where /v1/responses keeps finished responses (cluster/responses.py's store; default: here).
-    The request bounds and metrics_public: ServerConfig's fields of those names (cluster/request_limits.py)."""
+    The request bounds, metrics_public and quotas: ServerConfig's fields of those names (cluster/request_limits.py,
+    cluster/quotas.py)."""
     app = FastAPI(title="lorafleet", version="0.1.0")
     metrics = _Metrics()
     keys = [k.encode() for k in api_keys or []]
+    buckets = TokenQuotas(quotas) if quotas is not None and quotas.enabled else None
     open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
     # Added before authenticate, so inside it (Starlette runs the last added outermost): a caller without a key
     # gets its 401 before any of its body is read or counted.
@@ -135,7 +154,24 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
             token = header[7:].encode() if header.lower().startswith("bearer ") else b""
             if not any(secrets.compare_digest(token, k) for k in keys):
                 return error_response(AuthenticationError("missing or invalid API key (Authorization: Bearer ...)"))
+            _API_KEY.set(token.decode())  # the handler's task copies this context: its quota's tenant
         return await call_next(request)
+
+    async def _generate(req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """backend.generate(req), charged to its tenant's token quota (QuotaExceededError, HTTP 429, before it
+        runs); the reservation is settled with what the request used when it ends, however it ends."""
+        if buckets is None:
+            async for out in backend.generate(req):
+                yield out
+            return
+        reservation = buckets.reserve(buckets.tenant(_API_KEY.get(), req.model), _cost(req))
+        last = None
+        try:
+            async for last in backend.generate(req):
+                yield last
+        finally:
+            reservation.settle(0 if last is None else len(last.prompt_token_ids)
+                               + sum(len(c.token_ids) for c in last.outputs))
 
     @app.exception_handler(Exception)
     async def fault(_request: Request, exc: Exception):  # whatever no route caught: still the OpenAI shape
@@ -214,7 +250,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
         before the first output is a plain HTTP error: nothing has been sent yet."""
         access_log.note(adapter=model)
         start = time.monotonic()
-        stream = backend.generate(req)
+        stream = _generate(req)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -261,7 +297,7 @@ def build_api(backend: Any, api_keys: list[str] | None = None,
             req.restartable = not body.stream
         start, n = time.monotonic(), body.n
         try:
-            batch, firsts = await prompt_batch.start([backend.generate(r) for r in reqs])
+            batch, firsts = await prompt_batch.start([_generate(r) for r in reqs])
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         timings = [_Timing(metrics, body.model, start) for _ in reqs]

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Protocol
 from cluster.adapter_names import DYNAMIC_NAME, adapter_name_problem
 from cluster.errors import AdapterNotFoundError
 from cluster.replica_metrics import ReplicaMetrics, RequestTiming, Sample
+from cluster.quotas import QuotaConfig
 from cluster.reasoning import ReasoningParser, reasoning_parser
 from cluster.request_limits import MAX_PROMPT_CHARS, MAX_REQUEST_BODY_BYTES
 from cluster.tool_parsers import ToolParser, tool_parser
@@ -80,6 +81,9 @@ class ServerConfig:
     # With api_keys on, /metrics still answers without a key (as vLLM's), so scrapers need none; false: it needs
     # one too (its labels name every adapter and the paths requested).
     metrics_public: bool = True
+    # Per-tenant token rates (cluster/quotas.py): {by: api_key | adapter, default: {tokens_per_s, burst},
+    # tenants: {<key or adapter>: {...}}}; a tenant over its rate gets 429 with Retry-After. Empty: no quotas.
+    quotas: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # an unknown name fails the deployment's start
@@ -94,6 +98,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.metrics_public, bool):
             raise ValueError(f"metrics_public must be true or false, got {self.metrics_public!r}")
+        self.quota_config = QuotaConfig.from_dict(self.quotas)  # a bad one fails the start
         if self.dynamic_lora_loading_path is not None:
             if not isinstance(self.dynamic_lora_loading_path, str) or not self.dynamic_lora_loading_path.strip("/"):
                 raise ValueError(f"dynamic_lora_loading_path must be a non-empty uri prefix, got "
@@ -106,7 +111,7 @@ class ServerConfig:
     def api_limits(self) -> dict[str, Any]:
         """build_api's keyword arguments of the same names."""
         return dict(max_request_body_bytes=self.max_request_body_bytes, max_prompt_chars=self.max_prompt_chars,
-                    metrics_public=self.metrics_public)
+                    metrics_public=self.metrics_public, quotas=self.quota_config)
 
     def engine_args(self, model_dir: str) -> EngineArgs:
         args = dict(enable_lora=True, max_loras=4, max_lora_rank=64)
