@@ -295,8 +295,9 @@ def test_official_client_requests_still_pass(stack):
 
 def test_server_config_limits():
     config = ServerConfig()
-    assert config.api_limits() == {"max_request_body_bytes": 8 << 20, "max_prompt_chars": 1_000_000,
-                                   "metrics_public": True}
+    limits = config.api_limits()
+    assert not limits.pop("quotas").enabled  # none by default (tests/cluster/test_api_quotas.py)
+    assert limits == {"max_request_body_bytes": 8 << 20, "max_prompt_chars": 1_000_000, "metrics_public": True}
     assert ServerConfig(max_prompt_chars=5, metrics_public=False).api_limits()["max_prompt_chars"] == 5
     for bad in (dict(max_request_body_bytes=0), dict(max_prompt_chars=True), dict(max_prompt_chars=1.5),
                 dict(metrics_public="no")):
