@@ -33,7 +33,8 @@ from cluster.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRA
                               UnloadLoRAAdapterRequest)
 from cluster.chat_request import chat_generation
 from cluster.quotas import QuotaConfig, TokenQuotas, request_cost
-from cluster.request_limits import MAX_PROMPT_CHARS, MAX_REQUEST_BODY_BYTES, BodyLimit, check_prompt_chars
+from cluster.request_limits import (MAX_PROMPT_CHARS, MAX_REQUEST_BODY_BYTES, BodyLimit, check_prompt_chars,
+                                    prompt_chars)
 from cluster.response_formats import CompletionFormat, Format
 from cluster.responses import add_response_routes
 from cluster.server import GenerateRequest
@@ -95,11 +96,8 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 def _cost(req: GenerateRequest) -> int:
     """What a request may spend of its quota: its prompt and every token it may generate (quotas.request_cost)."""
-    if isinstance(req.prompt, dict):
-        return request_cost(0, req.sampling["max_tokens"], req.sampling.get("n") or 1,
-                            prompt_tokens=len(req.prompt.get("prompt_token_ids") or ()))
-    chars = len(req.prompt or "") + sum(len(str(m.get("content") or "")) for m in req.messages or ())
-    return request_cost(chars, req.sampling["max_tokens"], req.sampling.get("n") or 1)
+    tokens = len(req.prompt.get("prompt_token_ids") or ()) if isinstance(req.prompt, dict) else 0
+    return request_cost(prompt_chars(req), req.sampling["max_tokens"], req.sampling.get("n") or 1, prompt_tokens=tokens)
 
 
 class _Metrics:

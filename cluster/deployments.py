@@ -30,6 +30,7 @@ from cluster.errors import OverloadedError, ReplicaUnavailableError, is_replica_
 from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced, output_dict
 from cluster.replica_metrics import get_or_create_metrics_board, render
 from cluster.router import decisions_text
+from cluster.request_limits import MAX_PROMPT_CHARS, check_prompt_chars, prompt_chars
 from cluster.response_store_actor import SharedResponses, get_or_create_response_store
 from cluster.server import GenerateRequest, LoRAServer, ServerConfig
 from cluster.sources import SourceSettings
@@ -148,6 +149,7 @@ class _ReplicaBackend:
         self._decode = None
         self.fit: AdapterFit | None = None  # what an adapter must fit to register (the Ingress sets its model's)
         self.replica_loss_retries = 0  # requests run again elsewhere after their replica was lost
+        self.max_prompt_chars = MAX_PROMPT_CHARS  # the Ingress sets its ServerConfig's
 
     def metrics_text(self) -> str:
         """This ingress's own counters, in Prometheus text format."""
@@ -159,7 +161,9 @@ class _ReplicaBackend:
         """The request's outputs from a replica. A replica lost before the request produced output (or at any
         point, for a restartable request, whose caller keeps only the last) is replaced: the request runs
         once more on another (the router has dropped the dead one); lost again, or after output has gone
-        out, it is a ReplicaUnavailableError (HTTP 503)."""
+        out, it is a ReplicaUnavailableError (HTTP 503). Prompt text over max_prompt_chars is refused before
+        anything runs, whichever API sent it (HTTP checks it per field first; gRPC and the Python handle here)."""
+        check_prompt_chars("prompt", prompt_chars(request), self.max_prompt_chars)
         for attempt in range(REPLICA_LOSS_RETRIES + 1):
             produced = False
             try:
@@ -250,6 +254,7 @@ class Ingress:
                                               config.engine_args(self.backend.model_dir).lora_config())
         self.api_keys = api_keys
         self.api_limits = config.api_limits()  # build_api's request bounds
+        self.backend.max_prompt_chars = config.max_prompt_chars
 
     def __serve_build_asgi_app__(self):
         # /v1/responses' store: one actor for every ingress replica, so a follow-up may land on any of them

@@ -33,6 +33,12 @@ def check_prompt_chars(field: str, chars: int, limit: int) -> None:
                                            f"limit of {limit} (max_prompt_chars): shorten it")])
 
 
+def prompt_chars(request: Any) -> int:
+    """The prompt text of a GenerateRequest, in characters: its prompt string, or its messages' contents."""
+    text = request.prompt if isinstance(request.prompt, str) else ""
+    return len(text) + sum(len(str(m.get("content") or "")) for m in request.messages or ())
+
+
 class BodyLimit:
     """ASGI middleware: a request body over max_bytes is answered by refuse(RequestTooLargeError) (the ingress's
     error_response: 413 in the OpenAI error shape) before the app parses any of it."""

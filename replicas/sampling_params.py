@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from replicas.errors import InvalidRequestError
@@ -29,7 +30,8 @@ def _is_int(v: object) -> bool:
 
 
 def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number (not a bool): an infinite temperature or penalty reaches the sampler as NaN logits."""
+    return isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and math.isfinite(v)
 
 
 def _token_bias(value: object) -> dict[int, float] | None:

@@ -53,6 +53,10 @@ def test_defaults_are_valid():
         ("logit_bias", {-1: 1}),
         ("logit_bias", {"a": 1}),
         ("logit_bias", [5]),
+        ("temperature", float("inf")),  # through the Python handle or the engine API, no JSON parser to refuse it
+        ("temperature", float("nan")),
+        ("repetition_penalty", float("inf")),
+        ("top_p", float("nan")),
     ],
 )
 def test_bad_value_names_field(field, value):
