@@ -110,8 +110,7 @@ def test_slots_no_row_uses_are_never_read(group):
     assert torch.equal(got[0], y0[0])
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs a B arena of over 2**31 elements (8 GB); the engine's rank-64 8B "
-                    "slots are that far apart")
+@pytest.mark.gpu  # a B arena of over 2**31 elements (8 GB): the engine's rank-64 8B slots are that far apart
 @pytest.mark.parametrize("group", [0, 1])
 def test_slots_past_two_to_the_31_elements_apart(group):
     """B's slots are views of the manager's arena, a whole adapter apart: slot * stride overflows int32, in the

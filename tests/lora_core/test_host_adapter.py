@@ -83,7 +83,7 @@ def test_an_image_written_over_another_adapters_bytes_equals_a_fresh_one(monkeyp
     assert torch.equal(got_ranks, want_ranks)
     assert torch.equal(got.slab, want.slab)  # alignment gaps included: images of one adapter are equal bytes
     for name, views in want_views.items():
-        for w, g in zip(views, got_views[name]):
+        for w, g in zip(views, got_views[name], strict=True):
             assert (w is None) == (g is None) and (w is None or torch.equal(g, w)), name
     qkv_a, qkv_b, qkv_bias = got_views["model.layers.0.self_attn.qkv_proj"]
     assert qkv_a[1].abs().sum() == 0 and qkv_a[0, 8:].abs().sum() == 0 and qkv_b[:, 8:].abs().sum() == 0

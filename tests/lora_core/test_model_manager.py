@@ -349,7 +349,7 @@ def test_remove_adapter_frees_both_tiers():
     assert m.list_adapters() == [] and m.lora_index_to_id == [None, None, None]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_side_stream_load_matches_cpu():
     cfg = LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK, lora_dtype="float32")
     m = LoRAModelManager(SPECS, cfg, "cuda", torch.bfloat16)

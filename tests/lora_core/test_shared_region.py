@@ -11,6 +11,7 @@ import torch
 
 from lora_core import shared_region
 from lora_core.shared_region import SharedRegion
+from tests.timeouts import CHILD_PROCESS_TIMEOUT_S, HANG_TIMEOUT_S
 
 
 def _child(region: SharedRegion, done) -> None:
@@ -33,10 +34,10 @@ def test_a_spawned_process_maps_the_same_pages(memfd):
     proc = ctx.Process(target=_child, args=(region, child_end))
     proc.start()
     try:
-        assert parent_end.poll(120), "the child sent nothing"
+        assert parent_end.poll(CHILD_PROCESS_TIMEOUT_S), "the child sent nothing"
         assert parent_end.recv() == (3 << 20, nbytes, nbytes)
     finally:
-        proc.join(30)
+        proc.join(HANG_TIMEOUT_S)
     assert proc.exitcode == 0
     assert torch.equal(region.tensor[-4096:], torch.full((4096,), 7, dtype=torch.uint8))
     assert int(region.tensor[(1 << 20):-4096].sum()) == 0  # fresh pages read zero

@@ -141,7 +141,7 @@ def peft_greedy_reference(model_dir: Path, adapters: dict[str, Path], prompts: l
         if patch_peft is not None:
             patch_peft(model)
     results = []
-    for prompt, name in zip(prompts, names):
+    for prompt, name in zip(prompts, names, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
         tokens, logprobs = [], []
         for _ in range(steps):
@@ -196,10 +196,10 @@ def generate_against_peft(model_dir: Path, adapters: dict[str, Path], prompts: l
     finally:
         llm.shutdown()
     want = peft_greedy_reference(reference_dir or model_dir, adapters, prompts, names, steps, patch, patch_peft)
-    for out, (tokens, logprobs), name in zip(outputs, want, names):
+    for out, (tokens, logprobs), name in zip(outputs, want, names, strict=True):
         got = out.outputs[0]
         assert out.error is None and got.token_ids == tokens, f"{name}: {got.token_ids} != {tokens}"
-        error = max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs))
+        error = max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs, strict=True))
         assert error < (tolerance or (2e-2 if device == "cuda" else 2e-3)), name
     return outputs
 

@@ -9,6 +9,7 @@ import threading
 from replicas.sampling_params import SamplingParams
 from tests.replicas.async_engine_cases import (cases, collect, final as _final, greedy as _greedy,  # noqa: F401
                                                reference, run)
+from tests.timeouts import HANG_TIMEOUT_S
 
 
 def test_streams_of_deltas_and_of_the_final_output_only(demo, cases, reference):
@@ -91,12 +92,12 @@ def test_a_steps_outputs_reach_streams_on_several_loops_in_order():
             return [await s.queue.get() for _ in range(3)]
 
         for s in streams[:-1]:
-            got = asyncio.run_coroutine_threadsafe(drain(s), s.loop).result(timeout=10)
+            got = asyncio.run_coroutine_threadsafe(drain(s), s.loop).result(timeout=HANG_TIMEOUT_S)
             assert got == [(s.request_id, step) for step in range(3)]
     finally:
         for loop in loops:
             loop.call_soon_threadsafe(loop.stop)
         for t in threads:
-            t.join(timeout=10)
+            t.join(timeout=HANG_TIMEOUT_S)
         for loop in loops:
             loop.close()

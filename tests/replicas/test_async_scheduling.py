@@ -89,10 +89,10 @@ def test_stops_penalties_and_logprobs_equal_sync(make_llm, make_async, loras):  
     # Overlapped, prompt steps really took pending tokens; read back first, never.
     assert (fast.engine.prompt_fills > 0) != fast.engine.read_back_before_prompt_steps
     assert {w.outputs[0].finish_reason for w in want} >= {"stop", "length"}  # both kinds of ending ran
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         if w.outputs[0].logprobs is not None:
             assert [d.keys() for d in g.outputs[0].logprobs] == [d.keys() for d in w.outputs[0].logprobs]
-            for gd, wd in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            for gd, wd in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
                 assert all(abs(gd[k] - wd[k]) < 1e-4 for k in gd)
     assert_no_leaked_blocks(fast)  # the token computed after a stop was dropped with its blocks
 

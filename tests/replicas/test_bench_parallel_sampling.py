@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.timeouts import BENCH_RUN_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,7 +19,7 @@ def test_hold_computes_each_prompt_once(tmp_path):
     requests, n, prompt, block = 3, 3, 40, 16
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "parallel_sampling.py"), "--tiny", "--requests",
                            str(requests), "--n", str(n), "--prompt", str(prompt), "--output", "4", "--repeats", "1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
             if line.split()[:1] in (["hold"], ["all"]) and "/" not in line}

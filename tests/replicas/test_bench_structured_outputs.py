@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.timeouts import BENCH_RUN_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -16,7 +18,8 @@ def test_every_mode_runs_and_only_constrained_ones_fill_masks(tmp_path):
     env = dict(os.environ, LORAFLEET_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "structured_outputs.py"), "--tiny", "--requests", "4",
                            "--concurrency", "2", "--prompt", "8", "--output", "6", "--repeats", "1", "--vocab", "3000",
-                           "--corpus-mb", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                           "--corpus-mb", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=BENCH_RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
             if line.split()[:1] in (["free"], ["half"], ["json"]) and "/" not in line}

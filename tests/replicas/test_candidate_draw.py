@@ -75,14 +75,14 @@ def _renormalised(weights: list[float]) -> list[float]:
 ])
 def test_the_reference_draws_from_the_masked_distribution(kw, want):
     got = _frequencies(draw_candidates_reference, 20_000, **kw)
-    assert all(abs(g - w) < 0.015 for g, w in zip(got, want)), (got, want)
-    assert all(g == 0 for g, w in zip(got, want) if w == 0)
+    assert all(abs(g - w) < 0.015 for g, w in zip(got, want, strict=True)), (got, want)
+    assert all(g == 0 for g, w in zip(got, want, strict=True) if w == 0)
 
 
 def test_the_kernel_draws_from_the_masked_distribution():
     got = _frequencies(_kernel, 3000, top_k=4, top_p=0.9)  # keeps 0.4, 0.3, 0.15 (0.85 < 0.9), 0.1
     want = _renormalised(PROBS[:4] + [0])
-    assert all(abs(g - w) < 0.03 for g, w in zip(got, want)), (got, want)
+    assert all(abs(g - w) < 0.03 for g, w in zip(got, want, strict=True)), (got, want)
     assert got[4] == 0
 
 

@@ -120,14 +120,14 @@ def test_padded_static_decode_equals_eager(demo, loras):
     want, got = _generate(eager, loras), _generate(padded, loras)
     assert any(batch > n for n, batch in seen), seen  # padding rows really ran
     assert len({batch for _, batch in seen}) >= 3, seen
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
-        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             assert lw.keys() == lg.keys()
             assert max(abs(lw[t] - lg[t]) for t in lw) < 1e-4
     # Padding rows wrote only the scratch block, past the block manager's blocks.
     pad = runner.num_blocks
-    for (k_e, v_e), (k_p, v_p) in zip(eager.engine.executor.runner.kv_caches, runner.kv_caches):
+    for (k_e, v_e), (k_p, v_p) in zip(eager.engine.executor.runner.kv_caches, runner.kv_caches, strict=True):
         # (a padded batch may round differently in the last bits of a matmul)
         torch.testing.assert_close(k_p[:pad], k_e[:pad], atol=1e-4, rtol=1e-3)
         torch.testing.assert_close(v_p[:pad], v_e[:pad], atol=1e-4, rtol=1e-3)
@@ -164,9 +164,9 @@ def test_cuda_graphs_equal_eager_on_gpu(demo, loras):
     graphed = LLM(str(demo.model_dir), **_kwargs())
     assert eager.engine.num_cuda_graphs == 0 and graphed.engine.num_cuda_graphs > 0
     want, got = _generate(eager, loras), _generate(graphed, loras)
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
-        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             assert max(abs(lw[t] - lg.get(t, float("inf"))) for t in lw) < 1e-3
 
 

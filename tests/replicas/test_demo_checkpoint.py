@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import warnings
 
 import peft
@@ -106,10 +105,8 @@ def test_build_is_deterministic(demo, tmp_path):
         assert (other.model_dir.parent / rel).read_bytes() == (demo.model_dir.parent / rel).read_bytes(), rel
 
 
-def test_build_is_fast_and_cached(tmp_path, monkeypatch):
-    start = time.perf_counter()
+def test_build_is_cached(tmp_path, monkeypatch):
     first = ensure_demo_checkpoint(tmp_path)
-    assert time.perf_counter() - start < 5.0
     stamp = (first.model_dir / "model.safetensors").stat().st_mtime_ns
 
     def fail(out):

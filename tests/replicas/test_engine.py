@@ -39,13 +39,14 @@ def hf_reference(demo, batch):
 
 
 def _check_against_hf(outputs, hf_reference):
-    for out, (tokens, logprobs) in zip(outputs, hf_reference):
+    for out, (tokens, logprobs) in zip(outputs, hf_reference, strict=True):
         assert out.error is None
         completion = out.outputs[0]
         assert completion.token_ids == tokens, f"{out.lora_name}: {completion.token_ids} != {tokens}"
-        got = [step[t] for step, t in zip(completion.logprobs, tokens)]
+        got = [step[t] for step, t in zip(completion.logprobs, tokens, strict=True)]
         # float32 on CPU; on a GPU the Triton kernels' float32 dots run in TF32
-        assert max(abs(a - b) for a, b in zip(got, logprobs)) < (2e-2 if torch.cuda.is_available() else 2e-3)
+        tolerance = 2e-2 if torch.cuda.is_available() else 2e-3
+        assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < tolerance
         assert completion.finish_reason == "length"
 
 
@@ -62,8 +63,9 @@ def test_mixed_batch_matches_hf_peft(demo, batch, hf_reference):
     assert outputs[0].outputs[0].text == llm.engine.tokenizer.decode(outputs[0].outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("tp", [pytest.param(n, marks=pytest.mark.skipif(
-    torch.cuda.device_count() < n, reason=f"one launch per LoRA site: Triton on {n} GPU(s)")) for n in (1, 2)])
+@pytest.mark.gpu  # one launch per LoRA site: Triton on tp GPUs
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                            reason="needs 2 GPUs"))])
 def test_one_launch_sites_match_hf_peft(demo, batch, hf_reference, tp):
     """Rank-16 slots on GPUs: steps of <= 4 adapters run each LoRA linear in one launch (lora_gemm.py; with
     TP=2 the row layers' partial shrinks meet B in the all-reduce); the requests whose adapters fit (rank <=
@@ -107,8 +109,8 @@ def test_shrink_in_the_base_gemm_matches_hf_peft(demo, batch, hf_reference, max_
     _check_against_hf(llm.generate(batch[0], _greedy(), batch[1]), hf_reference)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton backend serves on CUDA only "
-                    "(tests/lora_core/test_column_expand.py runs the kernel under the interpreter)")
+# the Triton backend serves on CUDA only (tests/lora_core/test_column_expand.py runs the kernel under the interpreter)
+@pytest.mark.gpu
 def test_column_expand_in_the_engine_matches_hf_peft(demo, batch, hf_reference, monkeypatch):
     """Stacked decode steps whose expand runs as column tiles (lora_core/punica/column_expand.py): forced for
     every step here (the demo's sites are small enough for the one-row-per-program expand otherwise)."""
@@ -135,7 +137,7 @@ def test_adapters_moved_between_slots_match_hf_peft(demo, batch, hf_reference, t
     try:
         manager = llm.engine.executor.runner.lora_manager  # rank 0's
         for _ in range(2):
-            for prompt, lora, reference in zip(*batch, hf_reference):
+            for prompt, lora, reference in zip(*batch, hf_reference, strict=True):
                 _check_against_hf(llm.generate([prompt], _greedy(), [lora]), [reference])
                 if lora is not None:
                     assert manager.slot_of(lora.lora_int_id) == 0

@@ -219,7 +219,7 @@ def test_logprobs_sampled_are_raw_model_logprobs(llm):
     steps = [0, 1, 5, 11]
     forced = llm.generate([{"prompt_token_ids": prompt_ids + sampled.token_ids[:t]} for t in steps],
                           greedy(1, logprobs=20))
-    for t, out in zip(steps, forced):
+    for t, out in zip(steps, forced, strict=True):
         reference = out.outputs[0].logprobs[0]
         top_k = sorted(reference, key=reference.get, reverse=True)[:k]
         assert set(top_k) <= set(sampled.logprobs[t])
@@ -241,7 +241,7 @@ def test_penalties_reduce_repetition(llm, penalty):
     prompts = PROMPTS[:4]
     plain = tokens(llm.generate(prompts, greedy(128)))
     penalized = tokens(llm.generate(prompts, greedy(128, **penalty)))
-    for a, b in zip(plain, penalized):
+    for a, b in zip(plain, penalized, strict=True):
         assert a[0] == b[0]  # nothing generated yet: nothing to penalise
         assert a != b
         assert _repeats(b) <= _repeats(a)
@@ -283,7 +283,7 @@ def test_chat_renders_each_conversation_with_the_models_template(llm, loras):
     two = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     sql = loras[sorted(loras)[-1]]
     outs = llm.chat([one, two], greedy(6), lora_request=[sql, None])
-    for conversation, out, lora in zip((one, two), outs, (sql, None)):
+    for conversation, out, lora in zip((one, two), outs, (sql, None), strict=True):
         ids = tok.encode(render_chat(conversation, tok.chat_template, tok.bos_token, tok.eos_token),
                          add_special_tokens=False)
         assert out.prompt_token_ids == ids and out.prompt_token_ids[0] == tok.bos_token_id

@@ -10,6 +10,7 @@ import torch
 from replicas.quantization import (FP8, FP8_MAX, MIN_SCALE, check_method, fp8_linear_reference, quantize_rows,
                                    row_scales)
 from tests.replicas.conftest import EVERY_PROJECTION, generate_against_peft, write_peft_adapters
+from tests.replicas.fp8_reference import assert_quantized_rows, e4m3_round, e4m3_value
 
 ON_GPU = torch.cuda.is_available()
 
@@ -55,14 +56,18 @@ def test_unknown_methods_are_refused():
 @pytest.mark.parametrize("width", [3000, 17000])  # a row in one block, and one over two (MAX_BLOCK)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_quantizer_equals_the_reference(dtype, width):
-    """Scales bit for bit under the interpreter too; the FP8 values on CUDA only (the interpreter's float8
-    conversion rounds some values into the binade below: 125.7 -> 64)."""
+    """Scales and FP8 values bit for bit against the e4m3 definition (fp8_reference.py) and the torch
+    quantizer; under the interpreter the values its float8 conversion gets right (it rounds some into the
+    binade below: 125.7 -> 64)."""
     from replicas.kernels.fp8 import MAX_BLOCK, quantize_rows as kernel
 
     assert (width <= MAX_BLOCK) == (width == 3000)
     x = _x(9, width, 3, dtype).to("cuda" if ON_GPU else "cpu")
     strided = torch.cat([x, x], dim=1)[:, :width]
     q, scales = kernel(strided)
+    assert_quantized_rows(x, q, scales)
+    static = torch.tensor([0.05], device=x.device)  # a checkpoint's input scale: the larger rows saturate
+    assert_quantized_rows(x, *kernel(strided, static=static), static=static)
     q_ref, scales_ref = quantize_rows(x)
     assert torch.equal(scales, scales_ref)
     if ON_GPU:
@@ -70,11 +75,27 @@ def test_the_triton_quantizer_equals_the_reference(dtype, width):
     # into given rows (the stacked FP8 A rows: replicas/fp8_lora.py): rows 2-6 of an [11, width] buffer
     out, out_scales = torch.zeros(11, width, dtype=FP8, device=x.device), torch.zeros(11, device=x.device)
     kernel(strided[2:7], out=out[2:7], out_scales=out_scales[2:7])
-    assert torch.equal(out_scales[2:7], scales_ref[2:7]) and not out_scales[7:].any() and not out_scales[:2].any()
-    if ON_GPU:
-        assert torch.equal(out[2:7].view(torch.uint8), q_ref[2:7].view(torch.uint8))
+    assert_quantized_rows(x[2:7], out[2:7], out_scales[2:7])
+    assert not out_scales[7:].any() and not out_scales[:2].any()
+    assert not out[7:].view(torch.uint8).any() and not out[:2].view(torch.uint8).any()
     with pytest.raises(ValueError, match="fit"):
         kernel(strided[2:7], out=out[2:6], out_scales=out_scales[2:7])
+
+
+def test_the_triton_quantizer_divides_rounding_correctly():
+    """x / scale correctly rounded, not x times 1 / scale: float32 ulps around e4m3's rounding boundaries times
+    a scale of 3 (1 / 3 is inexact), kept where the two quotients quantize apart."""
+    from replicas.kernels.fp8 import quantize_rows as kernel
+
+    values = e4m3_value(torch.arange(0x08, 0x7E, dtype=torch.uint8))  # the normals below 448
+    bits = ((values[:-1] + values[1:]) / 2 * 3).float().view(torch.int32)  # exact: 7 significant bits at most
+    x = torch.cat([(bits + k).view(torch.float32) for k in range(-6, 7)])
+    x = x[e4m3_round(x / 3) != e4m3_round(x * (1 / torch.tensor(3.0)))]
+    assert len(x) >= 8
+    row = torch.cat([x, torch.tensor([448.0 * 3])]).unsqueeze(0).to("cuda" if ON_GPU else "cpu")
+    q, scales = kernel(row)
+    assert scales.item() == 3.0
+    assert_quantized_rows(row, q, scales)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -186,7 +207,7 @@ def test_an_fp8_engine_on_cuda_serves_adapters_as_close_as_the_float32_definitio
         return [next(iter(pos.values())) for out in outs for pos in out.prompt_logprobs[1:]]
 
     def mean_gap(a: list[float], b: list[float]) -> float:
-        return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+        return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
 
     on_cuda = mean_gap(logprobs(dtype="bfloat16", quantization="fp8", lora_stacked_max_tokens=stacked),
                        logprobs(dtype="bfloat16"))
@@ -310,11 +331,11 @@ def test_a_per_channel_checkpoint_serves_as_quantization_fp8_over_its_source(dem
                   tensor_parallel_size=tp, **kw)
         outs.append(llm.generate(["The quick brown fox", "SELECT"], params, lora))
         llm.shutdown()
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         # not bit for bit: two engines' float32 results were 1e-6 apart in about one run of six (the second
         # token's logprob; tokens equal), the same order of tests each time: CPU GEMMs need not repeat their sums
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) <= 1e-5 for t in x)
 
 

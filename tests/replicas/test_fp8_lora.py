@@ -15,6 +15,7 @@ from replicas.fp8_lora import FP8ARows
 from replicas.lora_layers import fused_max_adapters, lora_module_specs, stack_lora_weights, stacked_max_tokens
 from replicas.quantization import FP8, fp8_linear_reference, quantize_model, quantize_rows
 from tests.replicas.conftest import EVERY_PROJECTION, build_model, generate_against_peft, write_peft_adapters
+from tests.replicas.fp8_reference import assert_quantized_rows
 from tests.replicas.test_fp8 import _fp8_linears, _row_parallel_reference
 from tests.replicas.test_stacked_layers import _adapter
 
@@ -65,6 +66,7 @@ def test_fp8_a_rows_follow_every_slot_written_or_moved(tiny_checkpoint):
                 got_s = st.scale[st.out:].view(cfg.max_loras, -1)[slot]
                 assert got_q.dtype == FP8 and torch.equal(got_q.float(), want_q.float()), (name, lora_id)
                 assert torch.equal(got_s, want_s), (name, lora_id)
+                assert_quantized_rows(a[:, slot].reshape(-1, a.shape[-1]), got_q, got_s, interpreted=False)
                 rank = (4, 8, 16)[lora_id - 1]
                 assert a[:, slot, :rank].abs().sum() > 0 and not a[:, slot, rank:].any()
         for name, (w, s) in base.items():
@@ -84,8 +86,8 @@ def test_fp8_a_rows_follow_every_slot_written_or_moved(tiny_checkpoint):
 def test_one_launch_quantizes_a_slot_of_every_part(dtype):
     """kernels.fp8.QuantizeTables (FP8ARows on CUDA): three parts of other row counts and widths (one wider than
     a block), their slots strided as in the manager's arena: slot 2 of each equals quantize_rows' per-row scales
-    and values (the Triton quantizer's under the interpreter, whose float8 conversion errs: test_fp8.py), the
-    other slots untouched."""
+    and values (the Triton quantizer's under the interpreter, whose float8 conversion errs: test_fp8.py) and the
+    e4m3 definition's (fp8_reference.py), the other slots untouched."""
     from replicas.kernels.fp8 import TABLE_BLOCK, QuantizeTables, quantize_rows as triton_rows
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,6 +103,7 @@ def test_one_launch_quantizes_a_slot_of_every_part(dtype):
         want_q, want_s = quantize_rows(src[2]) if device == "cuda" else triton_rows(src[2])
         assert torch.equal(scales[2], want_s) and torch.equal(scales[2], quantize_rows(src[2])[1])
         assert torch.equal(dst[2].view(torch.uint8), want_q.view(torch.uint8))
+        assert_quantized_rows(src[2], dst[2], scales[2])
         assert not scales[[0, 1, 3]].any() and not dst[[0, 1, 3]].view(torch.uint8).any()
     with pytest.raises(ValueError, match="do not fit"):
         QuantizeTables([(parts[0][0], parts[1][1], parts[0][2])])

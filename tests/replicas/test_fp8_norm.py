@@ -10,6 +10,7 @@ import torch
 from replicas.kernels import fused
 from replicas.kernels.fp8 import quantize_rows as quantize_kernel
 from replicas.quantization import FP8, attach_fp8_copy, fp8_copy, link_fp8_norms, quantize_model, quantize_rows
+from tests.replicas.fp8_reference import assert_quantized_rows
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -30,7 +31,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("residual", [False, True])
 def test_the_norms_fp8_copy_is_the_quantizers_output(dtype, residual):
     """Scales and FP8 values bit for bit against kernels.fp8.quantize_rows over the norm's output (one
-    conversion under the interpreter too); on CUDA also against the torch definition."""
+    conversion under the interpreter too), and against the e4m3 definition (fp8_reference.py: under the
+    interpreter, the values its conversion gets right); on CUDA also against the torch quantizer."""
     width = 200
     x, r = _rows(5, width, 1, dtype), _rows(5, width, 2, dtype)
     weight = (_rows(1, width, 3, dtype, 0.5)[0] + 1).contiguous()
@@ -46,6 +48,7 @@ def test_the_norms_fp8_copy_is_the_quantizers_output(dtype, residual):
     assert q.dtype == FP8 and q.shape == out.shape and scales.shape == (5,)
     q_kernel, scales_kernel = quantize_kernel(out)
     assert torch.equal(scales, scales_kernel) and _same_bits(q, q_kernel)
+    assert_quantized_rows(out, q, scales)
     if ON_GPU:
         q_ref, scales_ref = quantize_rows(out)
         assert torch.equal(scales, scales_ref) and _same_bits(q, q_ref)

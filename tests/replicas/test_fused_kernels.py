@@ -188,7 +188,8 @@ def test_layers_dispatch_to_fused_kernels_on_cuda(monkeypatch):
     torch.testing.assert_close(SiluAndMul()(gate_up), SiluAndMul().forward_native(gate_up), **tol)
     rope = RotaryEmbedding(128, 500000.0, LLAMA3).cuda()
     pos = torch.arange(8, device="cuda") * 1000
-    for out, ref in zip(rope(pos, x[:, :1024], r[:, :512]), rope.forward_native(pos, x[:, :1024], r[:, :512])):
+    for out, ref in zip(rope(pos, x[:, :1024], r[:, :512]), rope.forward_native(pos, x[:, :1024], r[:, :512]),
+                        strict=True):
         torch.testing.assert_close(out, ref, **tol)
     assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary"]
 
@@ -219,5 +220,5 @@ def test_fused_kernels_replay_in_cuda_graph():
             t.copy_(_randn(*t.shape, dtype=dtype, seed=seed + i))
         pos.copy_(torch.randint(0, 8192, (tokens,), device="cuda"))
         graph.replay()
-        for out, ref in zip(outs, step()):
+        for out, ref in zip(outs, step(), strict=True):
             assert torch.equal(out, ref)

@@ -8,8 +8,6 @@ import torch.nn.functional as F
 
 from replicas.layers import gemm
 
-ON_GPU = torch.cuda.is_available()
-
 
 def test_row_range_from_the_environment(monkeypatch):
     monkeypatch.delenv("LORAFLEET_CUBLASLT_ROWS", raising=False)
@@ -23,14 +21,17 @@ def test_row_range_from_the_environment(monkeypatch):
         gemm.cublaslt_rows()
 
 
-def test_only_cuda_half_precision_rows_in_range_take_it(monkeypatch):
+def test_cpu_rows_never_take_it(monkeypatch):
     monkeypatch.setenv("LORAFLEET_CUBLASLT_ROWS", "17-64")
     cpu = torch.zeros(32, 8, dtype=torch.bfloat16)
     assert not gemm.takes_cublaslt(cpu)  # no cuBLAS off the GPU
     torch.testing.assert_close(gemm.linear(cpu, torch.ones(4, 8, dtype=torch.bfloat16)),
                                torch.zeros(32, 4, dtype=torch.bfloat16))
-    if not ON_GPU:
-        return
+
+
+@pytest.mark.gpu
+def test_only_cuda_half_precision_rows_in_range_take_it(monkeypatch):
+    monkeypatch.setenv("LORAFLEET_CUBLASLT_ROWS", "17-64")
     for rows, takes in ((16, False), (17, True), (64, True), (65, False)):
         assert gemm.takes_cublaslt(torch.zeros(rows, 8, device="cuda", dtype=torch.bfloat16)) == takes
     assert gemm.takes_cublaslt(torch.zeros(4, 8, 8, device="cuda", dtype=torch.float16))  # 32 rows in 3-D
@@ -39,7 +40,7 @@ def test_only_cuda_half_precision_rows_in_range_take_it(monkeypatch):
     assert not gemm.takes_cublaslt(torch.zeros(32, 8, device="cuda", dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="cuBLAS front ends need a GPU")
+@pytest.mark.gpu  # cuBLAS front ends
 @pytest.mark.parametrize("rows", [8, 24, 32, 64, 128])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_f_linear_and_puts_the_setting_back(rows, bias):

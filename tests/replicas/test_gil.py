@@ -13,6 +13,7 @@ from lora_core.request import LoRARequest
 from replicas import adapter_loads
 from replicas.engine_args import EngineArgs
 from replicas.gil import SwitchInterval
+from tests.timeouts import HANG_TIMEOUT_S
 
 
 @pytest.fixture
@@ -81,10 +82,10 @@ def test_a_thread_load_runs_under_the_lowered_interval(python_interval):
     loads.load = lambda request: next(reads)  # the disk read; the lowered scope covers it too
     try:
         loads.start(LoRARequest("a", 1, "/adapters/a"))
-        assert loads.future(1).result(timeout=30) == (8, "prepared")
+        assert loads.future(1).result(timeout=HANG_TIMEOUT_S) == (8, "prepared")
         loads.start(LoRARequest("b", 2, "/adapters/b"))
         with pytest.raises(ValueError, match="a bad adapter"):
-            loads.future(2).result(timeout=30)
+            loads.future(2).result(timeout=HANG_TIMEOUT_S)
     finally:
         loads.close()
     assert seen == [pytest.approx(2e-4), pytest.approx(2e-4)]
@@ -110,7 +111,7 @@ def test_loads_in_processes_leave_the_interval_alone(monkeypatch, python_interva
                                        processes=2, switch_interval=2e-4)
     try:
         loads.start(LoRARequest("a", 1, "/adapters/a"))
-        assert loads.future(1).result(timeout=30) == (8, "prepared")
+        assert loads.future(1).result(timeout=HANG_TIMEOUT_S) == (8, "prepared")
     finally:
         loads.close()
     assert seen == [pytest.approx(python_interval)]
@@ -118,7 +119,7 @@ def test_loads_in_processes_leave_the_interval_alone(monkeypatch, python_interva
 
 def test_concurrent_holders_on_threads_end_at_the_process_interval(python_interval):
     scope = SwitchInterval()
-    start = threading.Barrier(8, timeout=20)
+    start = threading.Barrier(8, timeout=HANG_TIMEOUT_S)
 
     def hold(interval: float) -> None:
         start.wait()

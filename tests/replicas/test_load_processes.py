@@ -18,6 +18,7 @@ from replicas.errors import InvalidRequestError, LoadWorkerLostError
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
 from replicas.spawn import WORKER_PREFIX
+from tests.timeouts import HANG_TIMEOUT_S
 
 _KW = dict(enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32", device="cpu")
 
@@ -65,7 +66,7 @@ def test_a_dead_worker_is_replaced_and_the_load_still_serves(demo, loras):
         loader = llm.engine.executor.runner.loads.process_loader
         (worker,) = [p for p in _workers() if p.pid not in {q.pid for q in before}]
         os.kill(worker.pid, signal.SIGKILL)
-        worker.join(10)
+        worker.join(HANG_TIMEOUT_S)
         out = llm.generate(["SELECT"], _greedy(), [sql])[0]
         assert out.error is None and out.outputs[0].token_ids == want
         assert loader.pools_started == 2
@@ -94,7 +95,7 @@ def test_a_load_whose_worker_dies_twice_fails_its_requests_only(demo, loras, tmp
         llm.shutdown()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA default (run on the GPU host: bench/RESULTS.md)")
+@pytest.mark.gpu  # the CUDA default (bench/RESULTS.md)
 def test_the_default_engine_on_a_cuda_host_loads_in_processes(demo, loras):
     """On CUDA, with the cores and /dev/shm room, adapters load in worker processes writing into the shared
     pinned pool; the tokens equal those of loads on threads."""

@@ -39,7 +39,7 @@ def test_dummy_weights_are_random_and_the_same_every_run(tiny_checkpoint):
 
     config = ModelConfig.from_pretrained(tiny_checkpoint("llama3_tied"))
     a, b = (dummy_model(config, ParallelContext(), torch.device("cpu")) for _ in range(2))
-    for (name, param), other in zip(a.named_parameters(), b.parameters()):
+    for (name, param), other in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(param, other), name
         if name.endswith("norm.weight"):
             assert torch.equal(param, torch.ones_like(param)), name

@@ -114,10 +114,10 @@ def _prompts(vocab: int) -> dict[str, list[int]]:
 
 
 def _assert_matches(outputs, want) -> None:
-    for out, (tokens, logprobs) in zip(outputs, want):
+    for out, (tokens, logprobs) in zip(outputs, want, strict=True):
         got = out.outputs[0]
         assert got.token_ids == tokens
-        assert max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs)) < 2e-3
+        assert max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs, strict=True)) < 2e-3
 
 
 STEPS = 24  # "crosses" generates from position 20 to 43
@@ -142,7 +142,7 @@ def test_generation_matches_hf_across_the_original_context(checkpoint, request):
         long_again = llm.generate([{"prompt_token_ids": prompts["long"]}], params)
     finally:
         llm.shutdown()
-    want = dict(zip(prompts, hf_cached_greedy(model_dir, list(prompts.values()), STEPS)))
+    want = dict(zip(prompts, hf_cached_greedy(model_dir, list(prompts.values()), STEPS), strict=True))
     _assert_matches(batch, want.values())
     _assert_matches(again + long_again, [want["crosses"], want["long"]])
 
@@ -181,7 +181,7 @@ def test_an_adapter_on_a_partly_turned_head_matches_hf_peft(phi4_mini_like_dir, 
     finally:
         llm.shutdown()
     want = peft_greedy_reference(phi4_mini_like_dir, adapters, TEXT_PROMPTS, names, TEXT_STEPS)
-    for out, (tokens, logprobs), name in zip(outputs, want, names):
+    for out, (tokens, logprobs), name in zip(outputs, want, names, strict=True):
         got = out.outputs[0]
         assert got.token_ids == tokens, name
-        assert max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs)) < 2e-3, name
+        assert max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs, strict=True)) < 2e-3, name

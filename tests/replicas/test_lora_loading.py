@@ -12,6 +12,7 @@ from lora_core.request import LoRARequest
 from replicas.errors import InvalidRequestError
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
+from tests.timeouts import HANG_TIMEOUT_S
 
 
 def _greedy(n=6):
@@ -29,7 +30,7 @@ def gated(demo):
     def slow(request):
         counts[request.lora_int_id] = counts.get(request.lora_int_id, 0) + 1
         started.set()
-        assert gate.wait(30)
+        assert gate.wait(HANG_TIMEOUT_S)
         return load(request)
 
     runner.loads.load = slow
@@ -45,7 +46,7 @@ def test_a_load_does_not_stall_running_requests(gated, loras, demo):
     sql = loras["demo-sql"]
     engine.add_request("a", "SELECT", _greedy(), sql)
     engine.add_request("b", "SELECT name", _greedy(), sql)  # same adapter: one load
-    assert started.wait(10)
+    assert started.wait(HANG_TIMEOUT_S)
     steps = 0
     done = {}
     while "base" not in done:  # the base request finishes while the adapter is still loading
@@ -85,7 +86,7 @@ def test_abort_while_the_adapter_loads(gated, loras):
     llm, gate, started, _ = gated
     engine = llm.engine
     engine.add_request("a", "SELECT", _greedy(), loras["demo-chat"])
-    assert started.wait(10)
+    assert started.wait(HANG_TIMEOUT_S)
     assert engine.abort("a")
     outputs = engine.step()
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("a", "abort")]
@@ -113,7 +114,7 @@ def test_begin_add_lora_resolves_in_a_step(gated, loras, tmp_path):
     engine.add_request("base", "Hello world", _greedy(3))
     loaded = engine.begin_add_lora(loras["demo-sql"])
     broken = engine.begin_add_lora(LoRARequest("broken", 9, str(tmp_path)))
-    assert started.wait(10) and not loaded.done()
+    assert started.wait(HANG_TIMEOUT_S) and not loaded.done()
     engine.step()  # serving goes on while the adapter loads
     assert not loaded.done()
     gate.set()
@@ -139,7 +140,7 @@ def test_a_load_that_ends_while_the_host_cache_is_busy_waits_for_room(demo, lora
     engine.step()
     engine.add_request("c", "Summary:", _greedy(3), loras["demo-summarize"])
     runner = engine.executor.runner
-    runner.loads.future(loras["demo-summarize"].lora_int_id).result(timeout=30)  # loaded while a, b run
+    runner.loads.future(loras["demo-summarize"].lora_int_id).result(timeout=HANG_TIMEOUT_S)  # loaded while a, b run
     done = {}
     while engine.has_unfinished_requests():
         done |= {o.request_id: o for o in engine.step() if o.finished}
@@ -159,7 +160,7 @@ def test_an_adapter_the_host_cache_dropped_reloads_in_the_background(demo, loras
     assert not runner.lora_in_host_cache(a.lora_int_id) and runner.lora_in_host_cache(b.lora_int_id)
 
     gate, load = threading.Event(), runner.loads.load
-    runner.loads.load = lambda request: (gate.wait(30), load(request))[1]
+    runner.loads.load = lambda request: (gate.wait(HANG_TIMEOUT_S), load(request))[1]
     engine.add_request("base", "The quick brown fox", _greedy(8))
     engine.add_request("a", "Hello there", _greedy(), a)  # accepted at once: the reload is in the background
     assert a.lora_int_id in engine.adapters.loading and [r.lora_name for r in engine.list_loras()] == [a.lora_name,
@@ -294,7 +295,7 @@ def test_every_load_process_gets_a_load_in_flight(monkeypatch):
     from replicas import adapter_loads
 
     processes = 4
-    together = threading.Barrier(processes, timeout=20)
+    together = threading.Barrier(processes, timeout=HANG_TIMEOUT_S)
 
     class FakeProcessLoader:  # what a pool of worker processes looks like from the loader threads
         def __init__(self, *args, **kwargs):
@@ -313,7 +314,8 @@ def test_every_load_process_gets_a_load_in_flight(monkeypatch):
     try:
         for i in range(1, processes + 1):
             loads.start(LoRARequest(f"a{i}", i, f"/adapters/a{i}"))
-        assert sorted(loads.future(i).result(timeout=30)[0] for i in range(1, processes + 1)) == [1, 2, 3, 4]
+        got = sorted(loads.future(i).result(timeout=HANG_TIMEOUT_S)[0] for i in range(1, processes + 1))
+        assert got == [1, 2, 3, 4]
     finally:
         loads.close()
 
@@ -330,7 +332,7 @@ def test_a_load_that_ends_under_a_step_joins_after_the_next_launch(demo, loras):
     engine.step()
     assert engine._in_flight is not None
     engine.add_request("a", "SELECT", _greedy(), sql)
-    runner.loads.future(sql.lora_int_id).result(timeout=30)  # the load is over, a step is in flight
+    runner.loads.future(sql.lora_int_id).result(timeout=HANG_TIMEOUT_S)  # the load is over, a step is in flight
     engine.step()
     assert engine.scheduler.requests["a"].status.name == "WAITING"  # not in the step launched just now
     assert runner.lora_manager.slot_of(sql.lora_int_id) is not None  # but in a slot already

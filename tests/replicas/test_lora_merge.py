@@ -40,7 +40,7 @@ def _runs(outputs) -> list[tuple[list[int], list[float]]]:
 def _assert_same(got, want, tol: float) -> None:
     for (g_tokens, g_lps), (w_tokens, w_lps) in zip(got, want, strict=True):
         assert g_tokens == w_tokens
-        assert max(abs(a - b) for a, b in zip(g_lps, w_lps)) <= tol
+        assert max(abs(a - b) for a, b in zip(g_lps, w_lps, strict=True)) <= tol
 
 
 def _state(llm: LLM):

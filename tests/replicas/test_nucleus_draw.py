@@ -81,15 +81,15 @@ def _renormalised(weights: list[float]) -> list[float]:
 ])
 def test_the_reference_draws_from_the_nucleus(kw, want):
     got = _frequencies(draw_nucleus_reference, PROBS, 20_000, **kw)
-    assert all(abs(g - w) < 0.015 for g, w in zip(got, want)), (got, want)
-    assert all(g == 0 for g, w in zip(got, want) if w == 0)
+    assert all(abs(g - w) < 0.015 for g, w in zip(got, want, strict=True)), (got, want)
+    assert all(g == 0 for g, w in zip(got, want, strict=True) if w == 0)
 
 
 def test_tokens_tied_on_the_boundary_are_all_in():
     """0.4, then 0.3 twice: top_p 0.5 needs one of the 0.3s, and neither is more likely than the other."""
     probs = [0.4, 0.3, 0.3]
     got = _frequencies(draw_nucleus_reference, probs, 20_000, top_p=0.5)
-    assert all(abs(g - p) < 0.015 for g, p in zip(got, probs)), got
+    assert all(abs(g - p) < 0.015 for g, p in zip(got, probs, strict=True)), got
 
 
 @pytest.mark.parametrize("probs,top_p", [(PROBS, 0.8), ([0.4, 0.3, 0.3], 0.5)])

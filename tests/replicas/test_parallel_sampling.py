@@ -74,7 +74,7 @@ def test_one_output_per_step_for_the_request_until_it_finishes(llm):
     assert sum(o.request_id == "par" for o in seen) == len(seen) and seen[-1].finished
     assert [o.finished for o in seen].count(True) == 1
     for earlier, later in zip(seen, seen[1:]):
-        for a, b in zip(earlier.outputs, later.outputs):
+        for a, b in zip(earlier.outputs, later.outputs, strict=True):
             assert b.token_ids[:len(a.token_ids)] == a.token_ids  # cumulative, per completion
     assert [len(c.token_ids) for c in seen[-1].outputs] == [6, 6, 6]
 

@@ -50,11 +50,11 @@ def test_greedy_generation_matches_hf(phi3_dir, hf_greedy, tp):
         llm.shutdown()
     # a prompt crosses the window in its prefill, every one in decode
     assert max(len(out.prompt_token_ids) for out in outputs) > WINDOW
-    for out, (tokens, logprobs), prompt in zip(outputs, hf_greedy, PROMPTS):
+    for out, (tokens, logprobs), prompt in zip(outputs, hf_greedy, PROMPTS, strict=True):
         got = out.outputs[0]
         assert out.error is None and got.token_ids == tokens, f"{prompt!r}: {got.token_ids} != {tokens}"
         # float32 on CPU; on a GPU the Triton kernels' float32 dots run in TF32
-        error = max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs))
+        error = max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs, strict=True))
         assert error < (2e-2 if device == "cuda" else 2e-3), prompt
 
 

@@ -63,13 +63,13 @@ def test_padded_pieces_equal_eager(demo, loras):
     assert any(size > n for n, size, _, _ in seen), seen  # padding rows really ran
     assert len({size for _, size, _, _ in seen}) >= 2, seen
     assert any(q_max > 1 and seqs > 1 for _, _, q_max, seqs in seen), seen  # a step mixed prompt and decode
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
-        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             assert lw.keys() == lg.keys()
             assert max(abs(lw[t] - lg[t]) for t in lw) < 1e-4
     # Padding rows never reach the attention, so they write no KV at all (no scratch block either).
-    for (k_e, v_e), (k_p, v_p) in zip(eager.engine.executor.runner.kv_caches, runner.kv_caches):
+    for (k_e, v_e), (k_p, v_p) in zip(eager.engine.executor.runner.kv_caches, runner.kv_caches, strict=True):
         torch.testing.assert_close(k_p, k_e, atol=1e-4, rtol=1e-3)
         torch.testing.assert_close(v_p, v_e, atol=1e-4, rtol=1e-3)
 
@@ -111,7 +111,7 @@ def test_piecewise_graphs_equal_eager_on_gpu(demo, loras):
     want = _generate(eager, loras)
     for llm in (decode_only, graphed):
         got = _generate(llm, loras)
-        for w, g in zip(want, got):
+        for w, g in zip(want, got, strict=True):
             assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
-            for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
                 assert max(abs(lw[t] - lg.get(t, float("inf"))) for t in lw) < 1e-3

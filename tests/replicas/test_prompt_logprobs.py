@@ -41,7 +41,7 @@ def hf_prompt_logprobs(demo):
 
 def _check(got, want_ids, want_chosen, want_top, k=3, tol=2e-3):
     assert got[0] is None and len(got) == len(want_ids)
-    for entry, token, lp, top in zip(got[1:], want_ids[1:], want_chosen, want_top):
+    for entry, token, lp, top in zip(got[1:], want_ids[1:], want_chosen, want_top, strict=True):
         assert abs(entry[token] - lp) < tol
         if tol <= 2e-3:  # looser numerics may swap near ties in the top k
             assert set(entry) == set(top[:k]) | {token}
@@ -53,7 +53,7 @@ def test_prompt_logprobs_match_hf_peft(make_llm, loras, hf_prompt_logprobs, chun
     llm = make_llm(max_num_batched_tokens=chunk, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     outs = llm.generate([PROMPT, PROMPT], params, [None, loras["demo-sql"]])
-    for out, name in zip(outs, (None, "demo-sql")):
+    for out, name in zip(outs, (None, "demo-sql"), strict=True):
         ids, chosen, top = hf_prompt_logprobs[name]
         assert out.prompt_token_ids == ids
         _check(out.prompt_logprobs, ids, chosen, top)
@@ -67,7 +67,7 @@ def test_prompt_logprobs_on_the_gpu(make_llm, loras, hf_prompt_logprobs):
     llm = make_llm(device="cuda", max_num_batched_tokens=16)
     outs = llm.generate([PROMPT, PROMPT], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3),
                         [None, loras["demo-sql"]])
-    for out, name in zip(outs, (None, "demo-sql")):
+    for out, name in zip(outs, (None, "demo-sql"), strict=True):
         _check(out.prompt_logprobs, *hf_prompt_logprobs[name], tol=2e-2)
 
 

@@ -55,11 +55,11 @@ def test_qwen3_with_adapters_matches_hf_peft(qwen3):
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=1, ignore_eos=True)
     outputs = llm.generate(prompts, params, [requests[n] if n else None for n in names])
     want = peft_greedy_reference(model_dir, adapters, prompts, names, STEPS)
-    for out, (tokens, logprobs), name in zip(outputs, want, names):
+    for out, (tokens, logprobs), name in zip(outputs, want, names, strict=True):
         got = out.outputs[0]
         assert out.error is None and got.token_ids == tokens, f"{name}: {got.token_ids} != {tokens}"
         # float32 on CPU; on a GPU the Triton kernels' float32 dots run in TF32
-        error = max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs))
+        error = max(abs(step[t] - lp) for step, t, lp in zip(got.logprobs, tokens, logprobs, strict=True))
         assert error < (2e-2 if torch.cuda.is_available() else 2e-3), name
     # the adapters move the output: requests 0 and 3 share a prompt (base, q-r8), as do 1 and 4 (q-r4, base)
     assert outputs[0].outputs[0].token_ids != outputs[3].outputs[0].token_ids

@@ -15,6 +15,7 @@ from pathlib import Path
 from replicas.llm import LLM
 from replicas.sampling_params import SamplingParams
 from replicas.spawn import WORKER_CONTEXT, WORKER_PREFIX
+from tests.timeouts import CHILD_PROCESS_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +46,7 @@ def test_a_script_without_a_main_guard_runs_its_top_level_once(demo, loras, tmp_
     sql = loras["demo-sql"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(script), str(demo.model_dir), sql.lora_path, str(marker)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=CHILD_PROCESS_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert marker.read_text() == "ran\n"
     want = LLM(str(demo.model_dir), enable_lora=True, max_loras=2, max_lora_rank=32, dtype="float32",

@@ -242,7 +242,7 @@ def test_constrained_requests_on_the_gpu(demo, loras):
     cases = _constrained(llm.engine.tokenizer, n_choice=2)
     outs = llm.generate(PROMPTS[: len(cases)], [p for p, _ in cases],
                         lora_request=[loras[sorted(loras)[0]], None, loras[sorted(loras)[1]], None])
-    for out, (_, check) in zip(outs, cases):
+    for out, (_, check) in zip(outs, cases, strict=True):
         assert out.error is None
         for completion in out.outputs:
             assert completion.finish_reason == "stop" and check(completion.text), completion.text

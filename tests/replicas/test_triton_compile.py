@@ -18,6 +18,7 @@ import triton.language as tl
 from replicas import triton_compile
 from replicas.spawn import WORKER_CONTEXT
 from replicas.triton_compile import CompileAhead, compile_ahead, compile_variant, compile_workers
+from tests.timeouts import CHILD_PROCESS_TIMEOUT_S
 
 
 @triton.jit
@@ -92,7 +93,8 @@ def test_the_hook_is_in_place_only_inside(monkeypatch):
 def test_a_spawned_worker_finds_the_kernel_by_module_and_name(tmp_path):
     done = tmp_path / "done"
     with ProcessPoolExecutor(1, mp_context=WORKER_CONTEXT) as pool:
-        seconds = pool.submit(compile_variant, __name__, "probe.kernel", str(done)).result(timeout=120)
+        compiled = pool.submit(compile_variant, __name__, "probe.kernel", str(done))
+        seconds = compiled.result(timeout=CHILD_PROCESS_TIMEOUT_S)
     assert done.read_text() == "compiled" and seconds >= 0
 
 
