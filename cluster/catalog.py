@@ -79,3 +79,6 @@ class LocalCatalog:
 
     async def registered(self) -> dict[str, str]:
         return dict(self._uris)
+
+    async def release(self, path: str) -> None:
+        """Nothing to do: the copies here are the registrations' own (unregister deletes them)."""

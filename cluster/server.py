@@ -34,6 +34,7 @@ from lora_core.request import LoRARequest
 from replicas.async_engine import AsyncLLMEngine
 from replicas.chat_template import chat_prompt_ids
 from replicas.engine import EngineArgs
+from replicas.errors import InvalidRequestError
 from replicas.lora_setup import served_adapter_fit
 from replicas.outputs import RequestOutput
 
@@ -50,6 +51,7 @@ class AdapterCatalog(Protocol):
     async def unregister(self, name: str) -> None: ...
     async def lookup(self, name: str) -> str | None: ...  # the uri, or None if unknown
     async def local_path(self, name: str) -> Path: ...  # a directory with adapter_config.json + safetensors
+    async def release(self, path: str) -> None: ...  # a local_path the engine no longer reads
     async def registered(self) -> dict[str, str]: ...
 
 
@@ -165,10 +167,13 @@ class LoRAServer:
         # what the catalog checks an adapter against before registering it
         self.fit = served_adapter_fit(model_dir, args.lora_config())
         self.tokenizer = self.engine.engine.tokenizer
+        # name -> the engine's adapter serving it now. Each load is the engine's own adapter (named
+        # "<name>#<id>"), so a re-pointed name's new weights load beside the old ones while requests finish on those.
         self._loaded: dict[str, LoRARequest] = {}
         self._loaded_uri: dict[str, str] = {}  # the source each loaded adapter came from
-        # Loaded adapters whose registration changed since: name -> its new uri, None where unloaded.
-        self._superseded: dict[str, str | None] = {}
+        # Adapters no longer serving their name (unloaded, re-pointed), by id: the engine drops each once no
+        # running request uses it.
+        self._retiring: dict[int, LoRARequest] = {}
         self._loading: dict[str, _NameLock] = {}  # one load at a time per adapter name
         self._ids = itertools.count(1)
         self._inflight = 0
@@ -196,13 +201,11 @@ class LoRAServer:
         """Register cluster-wide (the catalog fetches it once and checks it against this model's layers and
         limits) and load it here; a failure leaves the name as it was (unknown, or serving its old weights)."""
         if name == self.model_name:
-            from replicas.errors import InvalidRequestError
-
             raise InvalidRequestError([("lora_name", f"{name!r} is the base model's name")])
         previous = await self.catalog.lookup(name)
         await self.catalog.register(name, uri, self.fit)
         try:
-            await self.sync_registry()  # a re-point: the new weights serve from now on (or once the old drain)
+            await self.sync_registry()  # a re-point: the new weights serve from now on, the old finish what runs
             await self._ensure_loaded(name)
         except Exception:
             await asyncio.shield(self._restore(name, previous))
@@ -223,11 +226,8 @@ class LoRAServer:
         await self.sync_registry()
 
     async def _ensure_loaded(self, name: str) -> LoRARequest:
-        request = self._loaded.get(name)
-        if request is not None and name in self._superseded and not await self._forget(name):
-            if self._superseded[name] is None:  # unloaded, and still running requests that came before
-                raise AdapterNotFoundError(f"adapter {name!r} was unloaded")
-            # re-pointed: the old weights serve until their running requests finish, then the new ones
+        if self._retiring:
+            await self._drain_retiring()
         request = self._loaded.get(name)
         if request is not None:
             gpu = name in self.routing_stats()["gpu_adapters"]
@@ -259,7 +259,8 @@ class LoRAServer:
             uri = await self._register_dynamic(name)
         try:
             path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
-            request = LoRARequest(name, next(self._ids), str(path))
+            lora_id = next(self._ids)
+            request = LoRARequest(f"{name}#{lora_id}", lora_id, str(path))
             try:
                 await self.engine.add_lora(request)
             except InvalidAdapterError as exc:  # the caller knows the adapter by its uri, not by our copy
@@ -302,29 +303,28 @@ class LoRAServer:
 
     async def sync_registry(self, registered: dict[str, str] | None = None) -> None:
         """Take the cluster's registry (the catalog's now, by default): an adapter loaded here that was
-        unregistered serves no later request, one re-pointed serves its new weights once the requests
-        running on its old ones finish; the engine drops either as soon as no request uses it."""
+        unregistered or re-pointed serves no later request (a re-pointed name loads its new weights on the next
+        one); requests running on it finish, and the engine drops it once none does."""
         registered = await self.catalog.registered() if registered is None else registered
-        for name in list(self._loaded):
-            uri = registered.get(name)
-            if uri == self._loaded_uri[name]:
-                self._superseded.pop(name, None)  # unloaded and loaded again from where it was: still good
-            else:
-                self._superseded[name] = uri
-                await self._forget(name)
+        for name in [n for n, uri in self._loaded_uri.items() if registered.get(n) != uri]:
+            request = self._loaded.pop(name)
+            del self._loaded_uri[name]
+            self._ranks.pop(name, None)
+            self._retiring[request.lora_int_id] = request
+        await self._drain_retiring()
 
-    async def _forget(self, name: str) -> bool:
-        start = time.monotonic()
-        try:
-            await self.engine.remove_lora(name)
-        except Exception:  # noqa: BLE001 - still in use: the next sync or request tries again
-            return False
-        self.metrics.unload_seconds.observe(time.monotonic() - start)
-        self._ranks.pop(name, None)
-        del self._loaded[name]
-        self._loaded_uri.pop(name, None)
-        self._superseded.pop(name, None)
-        return True
+    async def _drain_retiring(self) -> None:
+        """Drop from the engine every retiring adapter no running request uses (the others on a later call);
+        safe to run concurrently: each adapter leaves the list once, by its id."""
+        for lora_id, request in list(self._retiring.items()):
+            start = time.monotonic()
+            try:
+                await self.engine.remove_lora(request.lora_name)  # False where the engine no longer has it
+            except InvalidRequestError:  # still in use: a later call tries again
+                continue
+            if self._retiring.pop(lora_id, None) is not None:
+                self.metrics.unload_seconds.observe(time.monotonic() - start)
+                await self.catalog.release(request.lora_path)
 
     async def models(self) -> list[dict[str, Any]]:
         created = int(time.time())
@@ -340,8 +340,6 @@ class LoRAServer:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; typed errors for a bad model name, prompt or parameter."""
         if "output_kind" in request.sampling:  # the replica coalesces and encodes cumulative outputs
-            from replicas.errors import InvalidRequestError
-
             raise InvalidRequestError([("output_kind", "output_kind is not a request's to set here: streams carry "
                                         "what is new in each chunk already")])
         lora = None if request.model == self.model_name else await self._ensure_loaded(request.model)
@@ -356,6 +354,8 @@ class LoRAServer:
             async for output in self.engine.generate(prompt, request.sampling, request.request_id, lora,
                                                      priority=request.priority):
                 timing.output(output)
+                if lora is not None:
+                    output.lora_name = request.model  # the engine's is this load's own ("<name>#<id>")
                 yield output
         finally:
             self._inflight -= 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import shutil
 import tempfile
 import uuid
 from collections.abc import Awaitable, Callable
@@ -66,14 +67,14 @@ class TierCatalog:
         return await self.tier.registered.remote()
 
     async def local_path(self, name: str) -> Path:
+        """A directory of its own for each load: an engine serving the name's old weights may read its files
+        again (after its host cache dropped them) while the new weights are written; release() deletes it."""
         blob = await get_adapter(self.tier, name)
         digest = hashlib.sha256(name.encode()).hexdigest()[:16]
-        dest = self.cache_dir / digest
-        if dest.exists():  # a previous load of this name: replace it with the tier's current copy
-            import shutil
+        return materialize(blob, Path(tempfile.mkdtemp(prefix=f"{digest}-", dir=self.cache_dir)))
 
-            shutil.rmtree(dest)
-        return materialize(blob, dest)
+    async def release(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
 
     async def metrics_text(self) -> str:
         """The tier's counters, and its fetches' durations as a histogram, in Prometheus text format."""

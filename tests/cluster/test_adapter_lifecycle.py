@@ -240,3 +240,56 @@ def test_adapter_names_follow_the_documented_rule(stack, adapters, name, ok):
     assert answer.status_code == (200 if ok else 400), answer.text
     if not ok:
         assert "lora_name" in answer.text and name not in stack[2].catalog._uris
+
+
+def test_after_a_repoint_returns_new_requests_get_the_new_weights_while_old_ones_finish(stack, adapters):
+    """A stream runs on "moving" (demo-sql's weights); "moving" is re-pointed to demo-chat's: a request sent after
+    the re-point's 200 answers with demo-chat's text at once, and the stream still finishes whole on the old."""
+    server, root = stack[2], adapters["good"].parent
+    shutil.copytree(server._demo_adapters["demo-chat"], root / "chat-weights", dirs_exist_ok=True)
+    shutil.copytree(adapters["good"], root / "sql-weights", dirs_exist_ok=True)
+    greedy = dict(prompt="SELECT", max_tokens=6, temperature=0)
+
+    async def go(c):
+        assert (await _load(c, "moving", root / "sql-weights")).status_code == 200
+        stream = await c.completions.create(model="moving", stream=True, **{**greedy, "max_tokens": 40},
+                                            extra_body={"ignore_eos": True})
+        chunks = [await stream.__anext__()]
+        assert (await _load(c, "moving", root / "chat-weights")).status_code == 200
+        after = await c.completions.create(model="moving", **greedy)
+        chunks += [chunk async for chunk in stream]
+        want = await c.completions.create(model="demo-chat", **greedy)
+        return after, want, chunks
+
+    after, want, chunks = run(stack, go)
+    assert after.choices[0].text == want.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert not server._retiring  # the old weights left the engine once the stream was done
+
+
+def test_a_request_racing_an_unload_is_a_404_not_an_internal_error(stack, adapters):
+    """The registry follower and a request both drop the same unloaded adapter at once: one does, the other
+    finds it gone; the request is a 404."""
+    import asyncio
+
+    from cluster.errors import AdapterNotFoundError
+    from cluster.server import GenerateRequest
+
+    server, root = stack[2], adapters["good"].parent
+    shutil.copytree(adapters["good"], root / "racing", dirs_exist_ok=True)
+
+    async def go(c):
+        assert (await _load(c, "racing", root / "racing")).status_code == 200
+        await server.catalog.unregister("racing")  # as another ingress's unload would
+
+        async def request():
+            async for _ in server.generate(GenerateRequest("racing", {"max_tokens": 2}, prompt="hi")):
+                pass
+
+        return await asyncio.gather(server.sync_registry(), request(), server.sync_registry(),
+                                    return_exceptions=True)
+
+    results = run(stack, go)
+    assert results[0] is None and results[2] is None, results
+    assert isinstance(results[1], AdapterNotFoundError), results
+    assert "racing" not in server._loaded and not server._retiring
