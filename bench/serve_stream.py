@@ -118,7 +118,7 @@ def main() -> None:
 
 async def engine_alone(settings: dict, args) -> dict:
     """The same requests on AsyncLLMEngine in this process, with the engine settings a replica gets."""
-    from cluster.server import ServerConfig
+    from cluster.server_config import ServerConfig
     from replicas.async_engine import AsyncLLMEngine
     from replicas.demo_checkpoint import ensure_demo_checkpoint
 

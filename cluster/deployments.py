@@ -32,7 +32,8 @@ from cluster.replica_metrics import get_or_create_metrics_board, render
 from cluster.router import decisions_text
 from cluster.request_limits import MAX_PROMPT_CHARS, check_prompt_chars, prompt_chars
 from cluster.response_store_actor import SharedResponses, get_or_create_response_store
-from cluster.server import GenerateRequest, LoRAServer, ServerConfig
+from cluster.server import GenerateRequest, LoRAServer
+from cluster.server_config import ServerConfig
 from cluster.sources import SourceSettings
 from cluster.tier_catalog import TierCatalog
 from lora_core.adapter_fit import AdapterFit

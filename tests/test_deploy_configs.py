@@ -131,7 +131,7 @@ def test_app_args_match_the_code(name):
     """The args name real fields: build_app takes them (Serve options), and ServerConfig, EngineArgs and
     SourceSettings accept theirs. Builds the application graph only; nothing starts."""
     from cluster.app import build_app
-    from cluster.server import ServerConfig
+    from cluster.server_config import ServerConfig
     from cluster.sources import SourceSettings
 
     args = _load(name)["applications"][0]["args"]

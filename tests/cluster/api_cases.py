@@ -12,7 +12,8 @@ import pytest
 
 from cluster.api import build_api
 from cluster.catalog import LocalCatalog
-from cluster.server import LoRAServer, ServerConfig
+from cluster.server import LoRAServer
+from cluster.server_config import ServerConfig
 from cluster.sources import SourceSettings
 
 ENGINE = dict(dtype="float32", device="cpu", max_loras=2, max_lora_rank=32, num_kv_blocks=128)

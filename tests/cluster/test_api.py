@@ -12,7 +12,8 @@ import pytest
 
 from cluster.api import build_api
 from cluster.catalog import LocalCatalog
-from cluster.server import LoRAServer, ServerConfig
+from cluster.server import LoRAServer
+from cluster.server_config import ServerConfig
 from cluster.sources import SourceSettings
 from replicas.chat_template import render_chat
 from replicas.errors import InvalidRequestError

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from cluster.api import build_api
-from cluster.server import ServerConfig
+from cluster.server_config import ServerConfig
 from tests.cluster.api_cases import open_stack
 from tests.cluster.api_cases import _client as openai_client
 

@@ -43,7 +43,7 @@ def test_a_tenant_over_its_quota_gets_429_with_retry_after_and_the_others_are_se
 
 
 def test_bad_quota_config_fails_the_start():
-    from cluster.server import ServerConfig
+    from cluster.server_config import ServerConfig
 
     with pytest.raises(ValueError):
         ServerConfig(model="demo", quotas={"by": "colour"})

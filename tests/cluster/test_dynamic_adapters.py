@@ -9,7 +9,7 @@ import shutil
 import openai
 import pytest
 
-from cluster.server import ServerConfig
+from cluster.server_config import ServerConfig
 from tests.cluster.api_cases import open_stack, run
 from tests.cluster.conftest import upload_dir
 

@@ -191,7 +191,7 @@ def test_closing_the_stream_closes_the_engines():
 
 @pytest.mark.parametrize("bad", [-1, "50", 1e9])
 def test_a_bad_stream_interval_fails_the_config(bad):
-    from cluster.server import ServerConfig
+    from cluster.server_config import ServerConfig
 
     with pytest.raises(ValueError, match="stream_interval_ms"):
         ServerConfig(stream_interval_ms=bad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.server import ServerConfig
+from cluster.server_config import ServerConfig
 from cluster.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, PythonicParser, tool_parser
 
 
