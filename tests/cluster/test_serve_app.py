@@ -4,7 +4,6 @@ an adapter loaded at run time from a real S3 server (SeaweedFS), the Python hand
 from __future__ import annotations
 
 import json
-import socket
 import time
 from types import SimpleNamespace
 
@@ -16,15 +15,10 @@ from ray import serve
 
 from cluster.app import build_app
 from tests.cluster.conftest import upload_dir
+from tests.cluster.serve_cases import _free_port
 
 APP = "lorafleet"
 SERVE_READY_TIMEOUT_S = 180  # the app's /health answers 200 within this, or the module's tests fail: does not hang
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_until_healthy(base: str) -> None:
