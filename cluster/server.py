@@ -165,8 +165,8 @@ class LoRAServer:
             gpu = name in self.routing_stats()["gpu_adapters"]
             self.adapter_events[ADAPTER_GPU_HIT if gpu else ADAPTER_HOST_HIT] += 1
             return request
-        # Concurrent first requests for one adapter share one load: a second load would read the tier again,
-        # rewrite the directory the first one reads, and clash with it in the engine (same name, another id).
+        # Concurrent first requests for one adapter share one load: a second would read the tier again and put a
+        # second copy of the adapter in the engine.
         # The entry lives while requests use it, so the names that never load (any string a client sends)
         # leave nothing behind.
         entry = self._loading.setdefault(name, _NameLock())
@@ -189,6 +189,7 @@ class LoRAServer:
         dynamic = uri is None
         if dynamic:
             uri = await self._register_dynamic(name)
+        path = None
         try:
             path = await self.catalog.local_path(name)  # the cluster tier: object store, or its origin once
             lora_id = next(self._ids)
@@ -200,6 +201,8 @@ class LoRAServer:
             rank = PEFTHelper.from_local_dir(path).max_rank  # the metrics' label: costs a small JSON read
         except Exception as exc:
             self.metrics.load_failed(exc)
+            if path is not None:
+                await self.catalog.release(str(path))
             if dynamic:  # a broken adapter does not stay registered
                 await asyncio.shield(self._unregister_quietly(name))
             raise
