@@ -216,11 +216,8 @@ class AdapterTier:
         uri = self._registry.get(name)
         if uri is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
-        entry = self._cache.get(name)
-        if entry is not None:  # register() drops the copy of a re-pointed name, so it is this uri's
-            self._cache.move_to_end(name)
-            self.metrics.hits += 1
-            return entry.value
+        if self.cache_hit(name):  # register() drops the copy of a re-pointed name, so it is this uri's
+            return self._cache[name].value
         self.metrics.misses += 1
         return await self._shared_fetch(name, uri, None, registers=False)
 
@@ -281,6 +278,19 @@ class AdapterTier:
         if entry is not None:
             self.metrics.bytes_cached -= entry.nbytes
             self.metrics.adapters_cached = len(self._cache)
+
+    def cache_hit(self, name: str) -> bool:
+        """The LRU's rule on a read: name's copy, where the tier holds one, becomes the most recently used (a
+        hit counted). The cluster simulator (cluster/simulator/tiers.py) drives it, and admit(), as they are."""
+        if name not in self._cache:
+            return False
+        self._cache.move_to_end(name)
+        self.metrics.hits += 1
+        return True
+
+    def admit(self, name: str, value: Any, nbytes: int) -> None:
+        """Cache value (nbytes) as name's copy, evicting least recently used copies to fit the capacity."""
+        self._insert(name, _Entry(value, nbytes))
 
     def cached(self) -> list[str]:
         """Names in the cache, least recently used first."""
