@@ -28,6 +28,7 @@ from cluster.adapter_tier_actor import get_or_create_adapter_tier
 from cluster.api import build_api, is_domain_error
 from cluster.errors import OverloadedError, ReplicaUnavailableError, is_replica_loss
 from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced, output_dict
+from cluster.prometheus import text
 from cluster.replica_metrics import get_or_create_metrics_board, render
 from cluster.router import decisions_text
 from cluster.request_limits import MAX_PROMPT_CHARS, check_prompt_chars, prompt_chars
@@ -154,9 +155,9 @@ class _ReplicaBackend:
 
     def metrics_text(self) -> str:
         """This ingress's own counters, in Prometheus text format."""
-        name = "lorafleet_requests_retried_after_replica_loss"
-        return (f"# HELP {name} Requests run again on another replica after theirs was lost\n"
-                f"# TYPE {name} counter\n{name}_total {self.replica_loss_retries}\n")
+        name = "lorafleet_requests_retried_after_replica_loss_total"
+        return text([(name, {}, self.replica_loss_retries)],
+                    {name: ("counter", "Requests run again on another replica after theirs was lost")})
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
         """The request's outputs from a replica. A replica lost before the request produced output (or at any

@@ -34,6 +34,7 @@ from ray.serve import metrics
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster import routing
+from cluster.prometheus import text
 from cluster.routing import AdapterAffinityPolicy, InflightTracker, ReplicaStats, adapter_of
 
 
@@ -123,6 +124,5 @@ def decisions_text() -> str:
     for policy in list(routing.LIVE_POLICIES):
         total.update(policy.decisions)
     name = "lorafleet_router_decisions_total"
-    lines = [f'{name}{{kind="{kind}"}} {count}' for kind, count in sorted(total.items())]
-    return "\n".join([f"# HELP {name} Routing decisions of this ingress's adapter-affinity routers, by kind",
-                      f"# TYPE {name} counter", *lines]) + "\n"
+    return text([(name, {"kind": kind}, count) for kind, count in sorted(total.items())],
+                {name: ("counter", "Routing decisions of this ingress's adapter-affinity routers, by kind")})
