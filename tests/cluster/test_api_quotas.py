@@ -20,7 +20,7 @@ def stack(tmp_path_factory):
 
     app = build_api(server, api_keys=list(KEYS), **server.config.api_limits())
     yield loop, app, server, root
-    gen.close()
+    next(gen, None)  # the stack's teardown: the server shuts its engine down
 
 
 def _complete(c, key: str, max_tokens: int):

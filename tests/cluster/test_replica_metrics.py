@@ -101,7 +101,7 @@ def test_a_serving_replica_reports_its_snapshot(tmp_path_factory):
         run(stack, go)
         families = _parsed(render({"me": stack[2].metrics_samples()}))
     finally:
-        stack_gen.close()
+        next(stack_gen, None)  # its teardown: the server shuts its engine down
     requests = {s.labels["tier"]: s.value for s in families["lorafleet_adapter_requests"]}
     assert requests.get("object_store") == 1
     ranks = {s.labels["rank"] for s in families["lorafleet_replica_time_to_first_token_seconds"]}
