@@ -292,9 +292,9 @@ class LoRAServer:
                 if lora is not None:
                     output.lora_name = request.model  # the engine's is this load's own ("<name>#<id>")
                 yield output
-        finally:
+        finally:  # also where the consumer stops at the finished output and closes this generator
             self._inflight -= 1
-        timing.done()
+            timing.done()
 
     def routing_stats(self) -> dict[str, Any]:
         """What the router reads: adapters resident on GPU / in host memory, free slots, queue depth; and the

@@ -203,11 +203,12 @@ def test_metrics_name_every_series_the_dashboard_queries(serve_app):
     client = _client(serve_app)
     for model in ("lorafleet-demo", "demo-sql", "demo-chat", "demo-sql"):
         client.completions.create(model=model, prompt="SELECT", max_tokens=3)
+    rank_count = r'^lorafleet_replica_time_to_first_token_seconds_count\{[^}]*rank="(\d+)"'
     deadline, text, replicas = time.monotonic() + METRICS_TIMEOUT_S, "", set()
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # until the snapshots of both replicas hold this test's requests
         text = httpx.get(f"{serve_app}/metrics", timeout=30).text
         replicas = set(re.findall(r'^lorafleet_lora_slots_free\{replica="([^"]+)"', text, re.M))
-        if len(replicas) == 2 and "lorafleet_replica_time_to_first_token_seconds_bucket" in text:
+        if len(replicas) == 2 and {"0", "8"} <= set(re.findall(rank_count, text, re.M)):
             break
         time.sleep(0.5)
     assert len(replicas) == 2, text[-2000:]
@@ -217,7 +218,7 @@ def test_metrics_name_every_series_the_dashboard_queries(serve_app):
                for name in re.findall(r"\blorafleet_[a-z0-9_]+", target["expr"])}
     assert len(queried) >= 15, queried
     assert queried <= samples, sorted(queried - samples)
-    ranks = set(re.findall(r'^lorafleet_replica_time_to_first_token_seconds_count\{[^}]*rank="(\d+)"', text, re.M))
+    ranks = set(re.findall(rank_count, text, re.M))
     assert {"0", "8"} <= ranks, ranks  # the base model and demo-sql (rank 8) apart
 
 
