@@ -23,6 +23,7 @@ shorter queue of two random replicas (power of two choices).
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import time
@@ -104,6 +105,14 @@ class Decision:
 LIVE_POLICIES: "weakref.WeakSet[AdapterAffinityPolicy]" = weakref.WeakSet()
 
 
+def _key(entry: tuple) -> tuple:
+    return entry[0]
+
+
+def _busy(entry: tuple) -> bool:
+    return entry[3]
+
+
 class AdapterAffinityPolicy:
     """Ranks replicas for a request (see the module docstring for the rules)."""
 
@@ -122,6 +131,7 @@ class AdapterAffinityPolicy:
         self._rng = random.Random(seed)
         self._clock = clock
         self._pending: dict[str, dict[ReplicaKey, float]] = {}  # adapter -> replica -> expiry
+        self._swept_at = -math.inf
         self.decisions: Counter[str] = Counter({kind: 0 for kind in KINDS})
 
     def busy_threshold(self, replica: ReplicaStats) -> int:
@@ -134,8 +144,24 @@ class AdapterAffinityPolicy:
 
     def pending_replicas(self, adapter: str) -> set[ReplicaKey]:
         """Replicas recently sent `adapter` without their stats showing it (cold, spread) and not expired."""
-        self._expire()
-        return set(self._pending.get(adapter, ()))
+        return set(self._live_pending(adapter))
+
+    def _live_pending(self, adapter: str) -> dict[ReplicaKey, float]:
+        # Only this adapter's memory is expired here (a choice is O(replicas), not O(adapters remembered));
+        # the rest is swept once a TTL, so forgotten adapters cannot pile up.
+        now = self._clock()
+        if now - self._swept_at >= self.pending_ttl_s:
+            self._expire()
+        assigned = self._pending.get(adapter)
+        if not assigned:
+            return {}
+        if min(assigned.values()) <= now:
+            assigned = {rid: exp for rid, exp in assigned.items() if exp > now}
+            if assigned:
+                self._pending[adapter] = assigned
+            else:
+                del self._pending[adapter]
+        return assigned
 
     def choose(self, adapter: str | None, replicas: Sequence[ReplicaStats], *, record: bool = True) -> Decision:
         """Rank `replicas` for a request for `adapter` (None: the base model).
@@ -145,7 +171,8 @@ class AdapterAffinityPolicy:
         if not replicas:
             raise ValueError("no replicas to choose from")
         # Ties break on a per-call random key, so a seeded policy is deterministic.
-        tie = {r.replica_id: self._rng.random() for r in replicas}
+        rand = self._rng.random
+        tie = [rand() for _ in replicas]
         if adapter is None:
             decision = self._choose_base(replicas, tie)
         else:
@@ -170,49 +197,64 @@ class AdapterAffinityPolicy:
                 self._remember(decision.adapter, replica_id)
         return kind
 
-    def _choose_base(self, replicas: Sequence[ReplicaStats], tie: dict) -> Decision:
-        two = self._rng.sample(list(replicas), k=min(2, len(replicas)))
-        best = min(two, key=lambda r: (r.queue_len, tie[r.replica_id]))
-        rest = sorted((r for r in replicas if r is not best), key=lambda r: (r.queue_len, tie[r.replica_id]))
-        return Decision(None, (best.replica_id, *(r.replica_id for r in rest)), (BASE,) * len(replicas))
+    def _choose_base(self, replicas: Sequence[ReplicaStats], tie: list[float]) -> Decision:
+        order = sorted(range(len(replicas)), key=lambda i: (replicas[i].queue_len, tie[i]))
+        two = self._rng.sample(range(len(replicas)), k=min(2, len(replicas)))
+        best = min(two, key=lambda i: (replicas[i].queue_len, tie[i]))
+        ranking = (replicas[best].replica_id, *(replicas[i].replica_id for i in order if i != best))
+        return Decision(None, ranking, (BASE,) * len(replicas))
 
-    def _choose_adapter(self, adapter: str, replicas: Sequence[ReplicaStats], tie: dict,
+    def _choose_adapter(self, adapter: str, replicas: Sequence[ReplicaStats], tie: list[float],
                         record: bool) -> Decision:
-        pending = self.pending_replicas(adapter)
-
-        def tier(r: ReplicaStats) -> int:
+        pending = self._live_pending(adapter)
+        fixed = self.busy_queue_len
+        thresholds: dict[int, int] = {}
+        # One pass: each replica's tier and busy flag, computed once (this runs per request over every replica).
+        holders, others = [], []  # (sort key, replica, tier, busy)
+        for i, r in enumerate(replicas):
             if adapter in r.gpu_adapters:
-                return 0
-            if r.replica_id in pending:
-                return 1
-            if adapter in r.host_adapters:
-                return 2
-            return _NOT_HELD
+                t = 0
+            elif r.replica_id in pending:
+                t = 1
+            elif adapter in r.host_adapters:
+                t = 2
+            else:
+                t = _NOT_HELD
+            if fixed is None:
+                thr = thresholds.get(r.max_ongoing)
+                if thr is None:
+                    thr = thresholds[r.max_ongoing] = self.busy_threshold(r)
+            else:
+                thr = fixed
+            busy = r.queue_len >= thr
+            if t == _NOT_HELD:
+                others.append(((r.queue_len, -r.free_slots, tie[i]), r, t, busy))
+            else:
+                holders.append(((t, r.queue_len, tie[i]), r, t, busy))
+        holders.sort(key=_key)
+        others.sort(key=_key)
+        free_holder = next((h for h in holders if not h[3]), None)
+        free_other = next((o for o in others if not o[3]), None)
 
-        holders = sorted((r for r in replicas if tier(r) != _NOT_HELD),
-                         key=lambda r: (tier(r), r.queue_len, tie[r.replica_id]))
-        others = sorted((r for r in replicas if tier(r) == _NOT_HELD),
-                        key=lambda r: (r.queue_len, -r.free_slots, tie[r.replica_id]))
-        free_holders = [r for r in holders if not self.is_busy(r)]
-        free_others = [r for r in others if not self.is_busy(r)]
-
-        if free_holders:
-            first, kind = free_holders[0], _TIER_KIND[tier(free_holders[0])]
-        elif holders and free_others:
-            first, kind = free_others[0], SPREAD
+        if free_holder is not None:
+            first, kind = free_holder, _TIER_KIND[free_holder[2]]
+        elif holders and free_other is not None:
+            first, kind = free_other, SPREAD
         elif holders:
             # Everyone is busy: loading the adapter elsewhere would not shorten the wait.
-            first = min(holders, key=lambda r: (r.queue_len, tier(r), tie[r.replica_id]))
-            kind = _TIER_KIND[tier(first)]
+            first = min(holders, key=lambda h: (h[1].queue_len, h[2], h[0][2]))
+            kind = _TIER_KIND[first[2]]
         else:
             first, kind = others[0], COLD
         if record and kind in (SPREAD, COLD, PENDING):
-            self._remember(adapter, first.replica_id)  # a pending hit extends the memory: it is still in use there
-        rest = [r for r in (*holders, *others) if r is not first]
-        rest.sort(key=lambda r: self.is_busy(r))  # stable: keeps holders before others within each group
+            self._remember(adapter, first[1].replica_id)  # a pending hit extends the memory: it is still in use there
         miss = SPREAD if holders else COLD
-        kinds = (kind, *(_TIER_KIND[tier(r)] if tier(r) != _NOT_HELD else miss for r in rest))
-        return Decision(adapter, (first.replica_id, *(r.replica_id for r in rest)), kinds)
+        # The rest: holders before others, and within that not busy before busy (a stable sort on busy).
+        rest = [e for e in (*holders, *others) if e is not first]
+        rest.sort(key=_busy)
+        ranking = (first[1].replica_id, *(e[1].replica_id for e in rest))
+        kinds = (kind, *(_TIER_KIND[e[2]] if e[2] != _NOT_HELD else miss for e in rest))
+        return Decision(adapter, ranking, kinds)
 
     def _remember(self, adapter: str, replica_id: ReplicaKey) -> None:
         if self.pending_ttl_s > 0:
@@ -220,6 +262,7 @@ class AdapterAffinityPolicy:
 
     def _expire(self) -> None:
         now = self._clock()
+        self._swept_at = now
         for adapter in list(self._pending):
             live = {rid: exp for rid, exp in self._pending[adapter].items() if exp > now}
             if live:
@@ -246,32 +289,56 @@ class InflightTracker:
         self._clock = clock
         # id -> (replica, expiry or None once sent, what the caller attached to the assignment)
         self._requests: dict[str, tuple[ReplicaKey, float | None, Any]] = {}
+        # Kept as requests come and go, so `counts` (asked per request) does not walk every request in flight.
+        self._counts: Counter = Counter()
+        self._expiries: list[tuple[float, int, str]] = []  # heap of unconfirmed assignments' expiries
+        self._seq = 0
+
+    def _set(self, request_id: str, entry: tuple[ReplicaKey, float | None, Any]) -> None:
+        self._drop(request_id)
+        self._requests[request_id] = entry
+        self._counts[entry[0]] += 1
+        if entry[1] is not None:
+            self._seq += 1
+            heapq.heappush(self._expiries, (entry[1], self._seq, request_id))
+
+    def _drop(self, request_id: str) -> None:
+        old = self._requests.pop(request_id, None)
+        if old is not None:
+            left = self._counts[old[0]] - 1
+            if left:
+                self._counts[old[0]] = left
+            else:
+                del self._counts[old[0]]
 
     def assign(self, request_id: str, replica_id: ReplicaKey, info: Any = None) -> None:
         """Count the request on `replica_id`; a re-assignment keeps the earlier info unless given new."""
         if info is None and request_id in self._requests:
             info = self._requests[request_id][2]
-        self._requests[request_id] = (replica_id, self._clock() + self.unconfirmed_ttl_s, info)
+        self._set(request_id, (replica_id, self._clock() + self.unconfirmed_ttl_s, info))
 
     def confirm(self, request_id: str, replica_id: ReplicaKey) -> Any:
         """The request was sent to `replica_id` (which may differ from the one assigned); returns the info
         attached by `assign`, or None if it was not assigned."""
         info = self._requests[request_id][2] if request_id in self._requests else None
-        self._requests[request_id] = (replica_id, None, None)
+        self._set(request_id, (replica_id, None, None))
         return info
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
     def finish(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        self._drop(request_id)
 
     def counts(self) -> Counter:
         now = self._clock()
-        stale = [rid for rid, (_, exp, _) in self._requests.items() if exp is not None and exp <= now]
-        for rid in stale:
-            del self._requests[rid]
-        return Counter(replica for replica, _, _ in self._requests.values())
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            expiry, _, rid = heapq.heappop(heap)
+            entry = self._requests.get(rid)
+            if entry is not None and entry[1] == expiry:  # still that unconfirmed assignment
+                self._drop(rid)
+        return Counter(self._counts)
 
 
 def adapter_of(args: Sequence[Any], kwargs: Mapping[str, Any], *, multiplexed_model_id: str = "",

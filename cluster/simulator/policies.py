@@ -65,8 +65,12 @@ class AffinityRouting(Routing):
         # Serve's queue-length cache is the replica's answer to the last probe or send: its queue now. Only the
         # replicas whose queue changed get a new (frozen) ReplicaStats: the rest keep last request's object.
         stats = self._stats
-        for i, (s, rep) in enumerate(zip(stats, replicas)):
-            q = max(len(rep.waiting) + len(rep.running), inflight[i])
+        for i, rep in enumerate(replicas):
+            q = len(rep.waiting) + len(rep.running)
+            f = inflight.get(i, 0)
+            if f > q:
+                q = f
+            s = stats[i]
             if q != s.queue_len:
                 stats[i] = ReplicaStats(s.replica_id, s.gpu_adapters, s.host_adapters, s.free_slots, q,
                                         s.max_loras, s.max_ongoing)
