@@ -26,6 +26,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster.adapter_tier_actor import get_or_create_adapter_tier
 from cluster.api import build_api, is_domain_error
+from cluster.autoscaling import RecentAdapters, replica_autoscaling_stats
 from cluster.errors import OverloadedError, ReplicaUnavailableError, is_replica_loss
 from cluster.output_stream import DeltaDecoder, DeltaEncoder, coalesced, output_dict
 from cluster.prometheus import text
@@ -85,6 +86,7 @@ class LoRAReplica:
         self._following: asyncio.Task | None = None
         self._board = get_or_create_metrics_board()  # where the app's /metrics finds this replica's
         self._replica_id = _replica_id()
+        self._recent_adapters = RecentAdapters()  # the autoscaler's working set (record_autoscaling_stats)
 
     async def _start(self) -> None:
         self._follow_registry()
@@ -105,6 +107,8 @@ class LoRAReplica:
         per ServerConfig.stream_interval_ms. The request's own error (a bad parameter, an unknown adapter) ends
         the stream as an item the ingress raises: a failed call would log Ray's traceback for a client error."""
         await self._start()
+        if request.model != self.server.model_name:
+            self._recent_adapters.add(request.model)
         encoder = DeltaEncoder()
         try:
             async for out in coalesced(self.server.generate(request), self.server.config.stream_interval_ms / 1e3):
@@ -129,6 +133,17 @@ class LoRAReplica:
         stats = self.server.routing_stats()
         stats["base_model"] = self.server.model_name
         return stats
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the adapter-aware autoscaling policy reads (cluster/autoscaling.py), collected by Serve when the
+        deployment autoscales: requests here and running, adapter loads in flight, distinct adapters asked for
+        lately, and what the engine holds at once."""
+        stats = self.server.routing_stats()
+        return replica_autoscaling_stats(
+            ongoing=stats["queue_len"], running=self.server.engine.engine.scheduler.num_running,
+            pending_loads=len(self.server._loading),  # adapter names loading now (one load per name)
+            recent_adapters=len(self._recent_adapters), max_num_seqs=self.server.engine.args.max_num_seqs,
+            max_loras=stats["max_loras"])
 
     async def check_health(self) -> None:
         if not self.server.engine.is_running:

@@ -95,7 +95,7 @@ class LoRAServer:
         self.model_name = config.served_model_name or ("lorafleet-demo" if config.model == "demo"
                                                       else os.path.basename(os.path.normpath(model_dir)))
         args = config.engine_args(model_dir)
-        self.engine = AsyncLLMEngine(args)
+        self.engine = self._make_engine(args)
         # what the catalog checks an adapter against before registering it
         self.fit = served_adapter_fit(model_dir, args.lora_config())
         self.tokenizer = self.engine.engine.tokenizer
@@ -329,6 +329,10 @@ class LoRAServer:
         merged_id, merges = self.engine.engine.executor.runner.lora_merge_state()  # rank 0's, read in place
         merged = next((name for name, r in self._loaded.items() if r.lora_int_id == merged_id), None)
         return merged, merges
+
+    def _make_engine(self, args):
+        """The engine this server drives; the emulated replicas of the benchmarks override only this."""
+        return AsyncLLMEngine(args)
 
     @property
     def default_max_tokens(self) -> int:

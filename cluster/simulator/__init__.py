@@ -12,6 +12,7 @@ from cluster.adapter_tier import AdapterTier
 from cluster.routing import AdapterAffinityPolicy, InflightTracker, ReplicaStats
 from lora_core.host_cache import HostLRUCache
 
+from cluster.simulator.autoscale import AutoscaleConfig, autoscaler_class
 from cluster.simulator.calibration import ROWS, StepModel, TierCosts, fit, fit_table
 from cluster.simulator.metrics import SLO, Report, table
 from cluster.simulator.policies import POLICIES
@@ -26,6 +27,6 @@ inflight_tracker_class = InflightTracker
 host_cache_class = HostLRUCache  # host tier and GPU slots
 adapter_tier_class = AdapterTier
 
-__all__ = ["AdapterTier", "ClusterConfig", "POLICIES", "ROWS", "ReplicaConfig", "Report", "Request", "SLO",
+__all__ = ["AdapterTier", "AutoscaleConfig", "autoscaler_class", "ClusterConfig", "POLICIES", "ROWS", "ReplicaConfig", "Report", "Request", "SLO",
            "StepModel", "TierCosts", "WorkloadConfig", "bound", "bound_times", "fit", "fit_table", "generate",
            "read_trace", "simulate", "table", "write_trace"]

@@ -4,7 +4,11 @@ The cluster: `replicas` SimReplicas on nodes of `replicas_per_node`, a router
 running one policy, and the adapter source its design implies (ours: the
 shared tier on node 0 over the origin; Ray's multiplexing: each replica's own
 download). Requests no replica accepts wait at the router, FIFO, and are routed
-again whenever a request finishes.
+again whenever a request finishes or a replica starts.
+
+With `autoscaling` set, replicas come and go under an autoscaler instead
+(autoscale.py); `run` also returns its FleetLog, and the Report's `replicas`
+is then the time-averaged live count, so its replica-hours integrate it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from cluster.simulator.autoscale import AutoscaleConfig, Fleet, FleetLog, ScalableReplica
 from cluster.simulator.calibration import StepModel, TierCosts, fit
 from cluster.simulator.events import EventLoop
 from cluster.simulator.metrics import SLO, Report
@@ -35,6 +40,7 @@ class ClusterConfig:
     policy_kwargs: dict = field(default_factory=dict)  # AdapterAffinityPolicy's knobs
     slo: SLO = field(default_factory=SLO)
     drain_s: float = 3600.0  # run past the last arrival at most this long
+    autoscaling: AutoscaleConfig | None = None  # None: `replicas` fixed; else they come and go (autoscale.py)
 
 
 _MODELS: dict[str, StepModel] = {}
@@ -49,6 +55,12 @@ def step_model(gpu: str) -> StepModel:
 def simulate(trace: list[Request], cfg: ClusterConfig, policy: str = "ours", seed: int = 0) -> Report:
     if policy == "bound":
         return bound(trace, cfg)
+    return run(trace, cfg, policy, seed)[0]
+
+
+def run(trace: list[Request], cfg: ClusterConfig, policy: str = "ours",
+        seed: int = 0) -> tuple[Report, FleetLog | None]:
+    """simulate's Report, and what the autoscaler did (None when the replica count is fixed)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {sorted(POLICIES) + ['bound']}")
     loop = EventLoop()
@@ -68,18 +80,27 @@ def simulate(trace: list[Request], cfg: ClusterConfig, policy: str = "ours", see
     waiting: deque[SimRequest] = deque()
     done: list[SimRequest] = []
 
-    def finish(r: SimRequest) -> None:
-        done.append(r)
-        routing.finished(r)
-        # A slot at the router freed up: route the oldest waiting requests while replicas accept them.
+    def route_waiting() -> None:
+        # Route the oldest waiting requests while replicas accept them.
         while waiting:
             rep = routing.route(waiting[0], replicas, True)
             if rep is None:
                 break
             rep.accept(waiting.popleft())
 
-    replicas = [SimReplica(i, i // cfg.replicas_per_node, cfg.replica, model, cfg.costs, loop, source.fetch, finish)
-                for i in range(cfg.replicas)]
+    def finish(r: SimRequest) -> None:
+        done.append(r)
+        routing.finished(r)
+        route_waiting()  # a slot at the router freed up
+
+    fleet = None
+    if cfg.autoscaling is None:
+        replicas = [SimReplica(i, i // cfg.replicas_per_node, cfg.replica, model, cfg.costs, loop, source.fetch,
+                               finish) for i in range(cfg.replicas)]
+    else:
+        fleet = _fleet(cfg, loop, model, routing, source, finish, route_waiting, waiting,
+                       lambda: loop.now >= span and len(done) + fleet.log.lost >= len(reqs))
+        replicas = fleet.replicas
 
     def arrive(r: SimRequest) -> None:
         rep = None if waiting else routing.route(r, replicas, False)
@@ -89,6 +110,9 @@ def simulate(trace: list[Request], cfg: ClusterConfig, policy: str = "ours", see
             rep.accept(r)
 
     reqs = [SimRequest(i, q) for i, q in enumerate(trace)]
+    span = trace[-1].arrival_s if trace else 0.0
+    if fleet is not None:
+        fleet.start()
     # Arrivals are scheduled lazily, one ahead, so the heap stays small on long traces.
     def next_arrival(i: int) -> None:
         arrive(reqs[i])
@@ -97,8 +121,13 @@ def simulate(trace: list[Request], cfg: ClusterConfig, policy: str = "ours", see
 
     if reqs:
         loop.at(reqs[0].req.arrival_s, next_arrival, 0)
-    span = trace[-1].arrival_s if trace else 0.0
     loop.run(until=span + cfg.drain_s)
+    end_s = loop.now
+    n_replicas: float = cfg.replicas
+    if fleet is not None:
+        end_s = max((r.finish_s for r in done), default=loop.now)
+        fleet.close(end_s)
+        n_replicas = fleet.log.replica_s / end_s if end_s > 0 else 0.0
 
     ttft, tpot = [], []
     for r in reqs:
@@ -111,12 +140,41 @@ def simulate(trace: list[Request], cfg: ClusterConfig, policy: str = "ours", see
     tc = source.counters
     return Report(
         policy=policy, requests=len(reqs), completed=len(done), ttft_s=ttft, tpot_s=tpot, slo=cfg.slo,
-        duration_s=max(span, 1e-9), end_s=loop.now, replicas=cfg.replicas,
+        duration_s=max(span, 1e-9), end_s=end_s, replicas=n_replicas,
         busy_s=sum(rep.counters.busy_s for rep in replicas), origin_fetches=tc.origin_fetches,
         store_reads_same_node=tc.store_reads_same_node, store_reads_other_node=tc.store_reads_other_node,
         disk_reads=tc.disk_reads, host_loads=sum(rep.counters.host_loads for rep in replicas),
         slot_loads=sum(rep.counters.slot_loads for rep in replicas), decisions=routing.decisions(),
-        events=loop.events_run)
+        events=loop.events_run), (fleet.log if fleet is not None else None)
+
+
+def _fleet(cfg: ClusterConfig, loop: EventLoop, model: StepModel, routing, source, finish, route_waiting,
+           waiting: deque, finished) -> Fleet:
+    """An autoscaled fleet of ScalableReplicas around the router and the adapter source."""
+    window = cfg.autoscaling.adapter_window_s
+
+    def make(index: int) -> ScalableReplica:
+        return ScalableReplica(index, index // cfg.replicas_per_node, cfg.replica, model, cfg.costs, loop,
+                               source.fetch, finish, adapter_window_s=window)
+
+    def lost(r: SimRequest) -> None:
+        routing.finished(r)
+        route_waiting()
+
+    def reset_index(index: int) -> None:
+        # A new replica in a stopped one's slot: the router and the loaders forget the old one, as Serve's
+        # router does for a replica that went away.
+        policy = getattr(routing, "policy", None)
+        if policy is not None:
+            policy.forget_replica(index)
+        getattr(routing, "models", {}).pop(index, None)  # Ray's multiplex LRU of model ids
+        getattr(source, "downloaded", {}).pop(index, None)  # Ray's per-replica downloads
+
+    def grown() -> None:
+        routing._polled_at = -math.inf  # the router's per-position stats no longer cover every replica
+
+    return Fleet(cfg.autoscaling, loop, make, route_waiting, lambda: len(waiting), lost, reset_index, grown,
+                 cfg.replicas_per_node, cfg.replica.max_num_seqs, cfg.replica.max_loras, finished)
 
 
 def bound_times(req: Request, model: StepModel) -> tuple[float, float]:

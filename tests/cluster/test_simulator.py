@@ -43,6 +43,8 @@ def test_uses_the_apps_classes():
     assert simulator.inflight_tracker_class is InflightTracker
     assert simulator.host_cache_class is HostLRUCache
     assert simulator.adapter_tier_class is AdapterTier
+    from cluster.autoscaling import AdapterAwareAutoscaler
+    assert simulator.autoscaler_class is AdapterAwareAutoscaler
     # ... and the modules that run them hold those very classes, not copies.
     assert policies.AdapterAffinityPolicy is AdapterAffinityPolicy
     assert policies.ReplicaStats is ReplicaStats and policies.InflightTracker is InflightTracker
