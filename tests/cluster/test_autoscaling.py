@@ -182,7 +182,6 @@ def _context(policy_state=None, target=2, running=2, total=10.0, queued=0.0, per
 
 
 def test_the_policy_on_a_serve_context():
-    pytest.importorskip("ray.serve")
     policy = AdapterAwarePolicy(downscale_delay_s=60.0)
     # Working set: 2 replicas x 20 distinct adapters = 40 > 0.9 x 32 slots: ceil(40 / 14.4) = 3
     busy = [replica_autoscaling_stats(8, 8, 1, 20, 64, 16)] * 2
@@ -199,7 +198,6 @@ def test_the_policy_on_a_serve_context():
 def test_serve_resolves_and_wraps_the_policy():
     """What Serve's controller does with the config: import the class, instantiate it once with policy_kwargs,
     wrap it in its delay logic (0 here: the policy's own delays decide) and call it with the context."""
-    pytest.importorskip("ray.serve")
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
     from ray.serve.autoscaling_policy import _apply_autoscaling_config
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
@@ -217,7 +215,6 @@ def test_serve_resolves_and_wraps_the_policy():
 def test_the_simulators_serve_delay_model_matches_serve():
     """cluster/simulator/autoscale.py's ServeDelayLogic against Ray's own scaling factors + delay logic, on a
     random walk of desired counts."""
-    pytest.importorskip("ray.serve")
     from ray.serve.autoscaling_policy import _apply_delay_logic, _apply_scaling_factors
     from ray.serve.config import AutoscalingConfig
 
@@ -316,7 +313,6 @@ def test_a_drain_past_the_graceful_timeout_loses_what_the_replica_held():
 
 def test_the_gpu_config_runs_this_policy():
     """deploy/config.gpu.yaml's autoscaling_config: Serve parses it, and its policy_kwargs build the policy."""
-    pytest.importorskip("ray.serve")
     import yaml
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
     from ray.serve.config import AutoscalingConfig
