@@ -310,6 +310,9 @@ class EmulatedCluster:
     router_kwargs: dict = dataclasses.field(default_factory=dict)  # AdapterAffinityRouter's (pending_ttl_s: wall)
     tier_capacity_bytes: int = 1 << 30
     seed: int = 0
+    # Serve's autoscaling_config for the replicas (in place of num_replicas = replicas); e.g. with
+    # cluster.autoscaling:AdapterAwarePolicy as its policy.
+    autoscaling: dict | None = None
 
 
 def emulated_app(c: EmulatedCluster):
@@ -322,8 +325,9 @@ def emulated_app(c: EmulatedCluster):
     router = RequestRouterConfig(request_router_class="cluster.router.AdapterAffinityRouter",
                                  request_router_kwargs={"seed": c.seed, **c.router_kwargs},
                                  request_routing_stats_period_s=c.stats_period_s)
+    scale = {"num_replicas": c.replicas} if c.autoscaling is None else {"autoscaling_config": c.autoscaling}
     replica = serve.deployment(EmulatedReplica, name="LoRAReplica").options(
-        num_replicas=c.replicas, max_ongoing_requests=emulation.max_ongoing, request_router_config=router,
+        **scale, max_ongoing_requests=emulation.max_ongoing, request_router_config=router,
         ray_actor_options={"num_cpus": 0})
     ingress = serve.deployment(Ingress, name="Ingress").options(max_ongoing_requests=4096,
                                                                 ray_actor_options={"num_cpus": 0})
@@ -366,20 +370,18 @@ async def _replay(handle, trace, factor: float) -> list[dict]:
     return out
 
 
-def run_emulated(trace, c: EmulatedCluster, endpoint: str, env: dict[str, str], log=print,
-                 bucket: str = "adapters") -> dict[str, Any]:
-    """Replay trace on a fresh local Ray with the emulated app; returns per-request results (modeled seconds),
-    the tier's origin fetches, the replicas' host and slot loads (during the trace) and their routing stats."""
+@contextlib.contextmanager
+def emulated_serve(c: EmulatedCluster, endpoint: str, env: dict[str, str], names: list[str], log=print,
+                   bucket: str = "adapters"):
+    """A fresh local Ray running the emulated app, `names` registered in its tier (uploaded to the S3 origin, fetched
+    on first use); yields (the ingress handle, the tier actor) and shuts Ray down after."""
     from cluster.adapter_tier_actor import get_or_create_adapter_tier
     from cluster.simulator.emulated_replica import ModeledOrigin
     from cluster.sources import SourceSettings
-
-    emulation = Emulation.from_dict(c.emulation)
-    factor = emulation.time_factor
-    names = sorted({r.adapter for r in trace if r.adapter})
-    uris = upload_adapters(endpoint, env, names, bucket)
     from replicas.demo_checkpoint import ensure_demo_checkpoint
 
+    emulation = Emulation.from_dict(c.emulation)
+    uris = upload_adapters(endpoint, env, names, bucket)
     demo_root = str(Path(next(iter(ensure_demo_checkpoint().adapters.values()))).parent)  # replicas register these
     ray.init(include_dashboard=False, log_to_driver=False, namespace="lorafleet-bench",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
@@ -394,7 +396,20 @@ def run_emulated(trace, c: EmulatedCluster, endpoint: str, env: dict[str, str], 
         ray.get([tier.register.remote(name, uri) for name, uri in uris.items()])  # fetched on first use
         t0 = time.perf_counter()
         handle = serve.run(emulated_app(c), name=EMULATED_APP, route_prefix=None)
-        log(f"  {c.replicas} emulated replicas up in {time.perf_counter() - t0:.1f} s")
+        log(f"  {c.replicas if c.autoscaling is None else 'autoscaled'} emulated replicas up in "
+            f"{time.perf_counter() - t0:.1f} s")
+        yield handle, tier
+    finally:
+        ray.shutdown()
+
+
+def run_emulated(trace, c: EmulatedCluster, endpoint: str, env: dict[str, str], log=print,
+                 bucket: str = "adapters") -> dict[str, Any]:
+    """Replay trace on a fresh local Ray with the emulated app; returns per-request results (modeled seconds),
+    the tier's origin fetches, the replicas' host and slot loads (during the trace) and their routing stats."""
+    factor = Emulation.from_dict(c.emulation).time_factor
+    names = sorted({r.adapter for r in trace if r.adapter})
+    with emulated_serve(c, endpoint, env, names, log, bucket) as (handle, tier):
         warm = [Request(0.01 * i, None, 1, 2, 0) for i in range(4 * c.replicas)]
         asyncio.run(_replay(handle, warm, 1.0))  # every replica started, its stats reported
         time.sleep(2 * c.stats_period_s)
@@ -405,8 +420,6 @@ def run_emulated(trace, c: EmulatedCluster, endpoint: str, env: dict[str, str], 
         after, tier_after = emulated_replica_stats(), ray.get(tier.metrics.remote())
         tiers = [(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["name"] == EMULATED_TIER]
-    finally:
-        ray.shutdown()
 
     def total(stats: list[dict], key: str) -> float:
         return sum(s["emulated"].get(key, 0) for s in stats)

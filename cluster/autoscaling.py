@@ -194,7 +194,7 @@ class AdapterAwareAutoscaler:
 class RecentAdapters:
     """The distinct adapters a replica was asked for over the last `window_s` seconds."""
 
-    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, window_s: float = ADAPTER_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s, self._clock = window_s, clock
         self._seen: OrderedDict[str, float] = OrderedDict()  # adapter -> last asked, oldest first
 

@@ -322,3 +322,12 @@ def test_the_gpu_config_runs_this_policy():
     assert config.upscale_delay_s == config.downscale_delay_s == 0  # Serve's delays would add to the policy's
     policy = _resolve_policy_callable(config.policy)
     assert isinstance(policy, AdapterAwarePolicy) and policy.config.max_num_seqs == 64
+
+
+def test_replicas_and_the_simulator_count_adapters_over_one_window():
+    """The working set a real replica reports (LoRAReplica's RecentAdapters) and the simulator's fleet's use the
+    same window, ADAPTER_WINDOW_S: the policy's slot-fill thresholds mean the same in both."""
+    from cluster.autoscaling import ADAPTER_WINDOW_S
+    from cluster.simulator.autoscale import AutoscaleConfig
+
+    assert RecentAdapters().window_s == AutoscaleConfig().adapter_window_s == ADAPTER_WINDOW_S
