@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -61,7 +62,7 @@ def run_cell(args: tuple) -> dict:
                         replica=ReplicaConfig(max_loras=a.max_loras, max_cpu_loras=a.max_cpu_loras,
                                               max_num_seqs=a.max_num_seqs, max_ongoing=a.max_ongoing),
                         costs=TierCosts(origin_latency_s=a.origin_latency, origin_bw=a.origin_gbps * 1e9),
-                        tier_capacity_bytes=int(a.tier_gb * 2**30))
+                        tier_capacity_bytes=int(a.tier_gb * 2**30), policy_kwargs=json.loads(a.policy_kwargs))
     duration = a.duration if a.duration else (300.0 if replicas <= 32 else 120.0)
     wl, target = cell_workload(kind, zipf, load, replicas, cfg, a.adapters, duration, a.seed)
     trace = generate(wl)
@@ -93,6 +94,7 @@ def main() -> None:
     p.add_argument("--origin-latency", type=float, default=0.2)
     p.add_argument("--origin-gbps", type=float, default=0.5)
     p.add_argument("--tier-gb", type=float, default=1024.0, help="the shared tier's object-store bytes (GiB)")
+    p.add_argument("--policy-kwargs", default="{}", help="AdapterAffinityPolicy's knobs for ours, as JSON")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--markdown", help="also write the table here")

@@ -35,6 +35,7 @@ class ClusterConfig:
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     costs: TierCosts = field(default_factory=TierCosts)
     tier_capacity_bytes: int = 64 * 2**30
+    tier_fetch_workers: int = 32  # origin fetches the shared tier runs at once (its actor's thread pool)
     stats_period_s: float = 1.0
     max_num_models_per_replica: int | None = None  # Ray's multiplex LRU; None: max_cpu_loras
     policy_kwargs: dict = field(default_factory=dict)  # AdapterAffinityPolicy's knobs
@@ -74,7 +75,7 @@ def run(trace: list[Request], cfg: ClusterConfig, policy: str = "ours",
     else:
         routing = cls(loop, seed, cfg.stats_period_s)
     if routing.fetch_kind == "shared":
-        source = SharedTier(loop, model, cfg.costs, cfg.tier_capacity_bytes)
+        source = SharedTier(loop, model, cfg.costs, cfg.tier_capacity_bytes, fetch_workers=cfg.tier_fetch_workers)
     else:
         source = PerReplicaDownload(loop, model, cfg.costs)
     waiting: deque[SimRequest] = deque()

@@ -5,7 +5,9 @@ by bytes: one object-store copy per cluster, held on the node of the tier's
 actor; a miss is fetched from the origin once however many replicas wait on
 it. AdapterTier's fetch path reads and validates real files, so the simulator
 calls the two methods that hold the cache rule (cache_hit, admit: evicting by
-bytes) with a placeholder value.
+bytes) with a placeholder value. Origin fetches run `fetch_workers` at a time,
+the rest queued in order: the tier actor fetches on its event loop's default
+executor, min(32, cpus + 4) threads.
 
 PerReplicaDownload is Ray Serve LLM's LoRA loader (ray/llm/_internal/serve/
 utils/lora_serve_utils.py): each replica keeps its own record of adapters it
@@ -15,6 +17,7 @@ the first time it uses one, then loads from that disk.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,11 +41,16 @@ def _no_uri(uri: str):
 
 class SharedTier:
     def __init__(self, loop: EventLoop, model: StepModel, costs: TierCosts, capacity_bytes: int,
-                 tier_node: int = 0) -> None:
+                 tier_node: int = 0, fetch_workers: int = 32) -> None:
+        if fetch_workers < 1:
+            raise ValueError(f"fetch_workers must be >= 1, got {fetch_workers}")
         self.loop, self.model, self.costs, self.tier_node = loop, model, costs, tier_node
         self.tier = AdapterTier(_no_uri, capacity_bytes=capacity_bytes)
         self.counters = TierCounters()
         self._inflight: dict[str, list[tuple[object, Callable[[], None]]]] = {}
+        self.fetch_workers = fetch_workers
+        self._fetching = 0  # origin fetches running
+        self._queued: deque[tuple[str, int]] = deque()  # misses waiting for a fetch worker
 
     def fetch(self, replica, adapter: str, rank: int, done: Callable[[], None]) -> None:
         if self.tier.cache_hit(adapter):
@@ -56,10 +64,20 @@ class SharedTier:
         self._inflight[adapter] = [(replica, done)]
         self.counters.origin_fetches += 1
         self.tier.metrics.origin_fetches += 1
+        if self._fetching < self.fetch_workers:
+            self._start_fetch(adapter, rank)
+        else:
+            self._queued.append((adapter, rank))
+
+    def _start_fetch(self, adapter: str, rank: int) -> None:
+        self._fetching += 1
         nbytes = self.model.adapter_bytes(rank)
         self.loop.after(self.costs.origin_s(nbytes), self._fetched, adapter, rank, int(nbytes))
 
     def _fetched(self, adapter: str, rank: int, nbytes: int) -> None:
+        self._fetching -= 1
+        if self._queued:
+            self._start_fetch(*self._queued.popleft())
         self.tier.admit(adapter, None, nbytes)
         for replica, done in self._inflight.pop(adapter):
             self._read(replica, rank, done)

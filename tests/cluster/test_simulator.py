@@ -110,6 +110,30 @@ def test_per_replica_download_counts_replicas_exactly():
     assert len(done) == 12
 
 
+def test_the_shared_tier_runs_its_fetch_workers_at_once_and_queues_the_rest():
+    """Five distinct misses on 2 fetch workers: two origin fetches at a time, in order, each the modeled origin
+    time; a sixth miss for an adapter already being fetched waits on that fetch, not for a worker."""
+    from cluster.simulator.events import EventLoop
+    from cluster.simulator.sim import step_model
+    from cluster.simulator.tiers import SharedTier
+
+    class Rep:
+        index, node = 0, 0
+
+    loop, model, costs = EventLoop(), step_model("h200-llama3-8b"), simulator.TierCosts()
+    tier = SharedTier(loop, model, costs, 2**40, fetch_workers=2)
+    done: dict[str, float] = {}
+    for name in ("a", "b", "c", "d", "e", "a"):
+        tier.fetch(Rep(), name, 16, lambda name=name: done.setdefault(name, loop.now))
+    loop.run()
+    origin, read = costs.origin_s(model.adapter_bytes(16)), costs.local_load_s(model.adapter_bytes(16))
+    assert tier.counters.origin_fetches == 5
+    assert done == pytest.approx({"a": origin + read, "b": origin + read, "c": 2 * origin + read,
+                                  "d": 2 * origin + read, "e": 3 * origin + read})
+    with pytest.raises(ValueError):
+        SharedTier(loop, model, costs, 2**40, fetch_workers=0)
+
+
 @pytest.mark.parametrize("seed", [0, 3])
 def test_bound_is_never_beaten(seed):
     trace = small_trace(seed=seed, burst_prob=0.1, base_share=0.1, ranks=(8, 16, 64))
