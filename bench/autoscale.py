@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.simulator import ClusterConfig, ReplicaConfig, SLO, WorkloadConfig, generate  # noqa: E402
-from cluster.simulator.autoscale import AutoscaleConfig  # noqa: E402
+from cluster.simulator.autoscale import (AutoscaleConfig, adapter_aware_config, fleet_summary,  # noqa: E402
+                                         parse_scaler)
 from cluster.simulator.sim import run  # noqa: E402
 
 HEAD = (f"{'policy':<24} {'slo':>7} {'ttft_p99':>9} {'replica_h':>9} {'peak':>5} {'changes':>7} {'lost':>5} "
@@ -30,10 +31,7 @@ HEAD = (f"{'policy':<24} {'slo':>7} {'ttft_p99':>9} {'replica_h':>9} {'peak':>5}
 
 
 def row(name: str, report, log, wall: float) -> dict:
-    s = report.summary()
-    changes = sum(1 for a, b in zip(log.changes, log.changes[1:]) if a[1] != b[1])
-    return dict(name=name, slo=s["slo"], ttft_p99=s["ttft_p99"], replica_h=s["replica_h"], peak=log.peak,
-                changes=changes, lost=log.lost + report.requests - report.completed, wall=wall)
+    return dict(fleet_summary(report, log), name=name, wall=wall)
 
 
 def fmt(r: dict) -> str:
@@ -74,7 +72,7 @@ def main() -> None:
                                     churn_every_s=a.churn, seed=a.seed))
     replica = ReplicaConfig(max_loras=a.max_loras, max_cpu_loras=a.max_cpu_loras, max_num_seqs=a.max_num_seqs,
                             max_ongoing=a.max_ongoing)
-    scaler = {k: float(v) for k, v in (kv.split("=") for kv in a.scaler.split(",") if kv)}
+    scaler = parse_scaler(a.scaler)
     common = dict(min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=a.initial_replicas,
                   startup_s=a.startup, look_back_period_s=a.look_back, metrics_interval_s=a.metrics_interval)
     print(f"trace: {len(trace)} requests over {a.duration:.0f} s, rate {a.rate} x (1 + {a.diurnal} sin), "
@@ -92,8 +90,7 @@ def main() -> None:
         return r
 
     print(HEAD)
-    ours = simulate("adapter-aware", AutoscaleConfig(policy="adapter-aware", upscale_delay_s=0.0,
-                                                     downscale_delay_s=0.0, scaler=scaler, **common))
+    ours = simulate("adapter-aware", adapter_aware_config(scaler=scaler, **common))
     up, down = a.serve_delays
     serve = [simulate(f"serve target={t:g}", AutoscaleConfig(policy="serve", target_ongoing_requests=t,
                                                              upscale_delay_s=up, downscale_delay_s=down, **common))

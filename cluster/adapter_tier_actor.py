@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from ray.exceptions import ObjectLostError, OwnerDiedError
 
-from cluster.adapter_tier import LLAMA_LORA_MODULES, AdapterBlob, AdapterTier
+from cluster.adapter_tier import DEFAULT_FETCH_CONCURRENCY, LLAMA_LORA_MODULES, AdapterBlob, AdapterTier
 from lora_core.adapter_fit import AdapterFit
 
 DEFAULT_NAME = "lorafleet-adapter-tier"
@@ -38,13 +38,15 @@ class AdapterTierActor:
     def __init__(self, *, capacity_bytes: int, registry_dir: str | Path | None = None,
                  source_settings: Any = None, work_dir: str | Path | None = None,
                  expected_lora_modules: Iterable[str] = LLAMA_LORA_MODULES,
-                 parse_uri: Callable[[str], Any] | None = None) -> None:
+                 parse_uri: Callable[[str], Any] | None = None,
+                 fetch_concurrency: int = DEFAULT_FETCH_CONCURRENCY) -> None:
         if parse_uri is None:
             from cluster.sources import SourceSettings, parse_adapter_uri
             settings = source_settings if source_settings is not None else SourceSettings()
             parse_uri = functools.partial(parse_adapter_uri, settings=settings)
         self._tier = AdapterTier(parse_uri, capacity_bytes=capacity_bytes, registry_dir=registry_dir,
-                                 work_dir=work_dir, expected_lora_modules=expected_lora_modules, pack=ray.put)
+                                 work_dir=work_dir, expected_lora_modules=expected_lora_modules, pack=ray.put,
+                                 fetch_concurrency=fetch_concurrency)
 
     async def get(self, name: str) -> ray.ObjectRef:
         """An ObjectRef to the AdapterBlob; raises the tier's typed errors (see AdapterTier.get)."""

@@ -20,12 +20,14 @@ Replica-seconds integrate the live count (starting, running, draining) until the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from cluster.autoscaling import ADAPTER_WINDOW_S, AdapterAwareAutoscaler, AutoscalerConfig, FleetMetrics, RecentAdapters
+from cluster.autoscaling import (ADAPTER_WINDOW_S, AdapterAwareAutoscaler, AutoscalerConfig, AutoscalerConfigError,
+                                 FleetMetrics, RecentAdapters)
 
 from cluster.simulator.events import EventLoop
+from cluster.simulator.metrics import Report
 from cluster.simulator.replica import SimReplica, SimRequest
 
 POLICIES = ("adapter-aware", "serve")
@@ -66,6 +68,29 @@ class AutoscaleConfig:
     def record_interval_s(self) -> float:
         # RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR (0.2) of the look-back, at most the push period
         return min(self.look_back_period_s * 0.2, self.metrics_interval_s)
+
+
+def adapter_aware_config(**common) -> AutoscaleConfig:
+    """The adapter-aware policy as deploy/config.gpu.yaml runs it: Serve's own delays at 0, because Serve applies
+    them on top of a custom policy and the policy's own (AutoscalerConfig's) decide."""
+    return AutoscaleConfig(policy="adapter-aware", upscale_delay_s=0.0, downscale_delay_s=0.0, **common)
+
+
+def parse_scaler(text: str) -> dict:
+    """AutoscalerConfig overrides (the app's policy_kwargs) from "key=value,key=value", checked at once so that a
+    typo fails before a run rather than inside one."""
+    defaults = {f.name: f.default for f in fields(AutoscalerConfig)}
+    kwargs: dict = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or key not in defaults:
+            raise AutoscalerConfigError(f"scaler setting {item!r}: want key=value, key one of {sorted(defaults)}")
+        try:
+            kwargs[key] = int(value) if isinstance(defaults[key], int) else float(value)
+        except ValueError:
+            raise AutoscalerConfigError(f"scaler setting {item!r}: {value!r} is not a number of its type") from None
+    AutoscalerConfig.from_kwargs(kwargs)  # the ranges
+    return kwargs
 
 
 class ServeDelayLogic:
@@ -142,6 +167,13 @@ class FleetLog:
     replica_s: float = 0.0
     started: int = 0
     stopped: int = 0
+
+
+def fleet_summary(report: Report, log: FleetLog) -> dict:
+    """An autoscaled run's Report.summary(), plus what the autoscaler did: the peak live replicas, the changes of
+    the live count, and the requests lost (never answered: dropped at a drain's timeout, or unfinished)."""
+    changes = sum(1 for a, b in zip(log.changes, log.changes[1:]) if a[1] != b[1])
+    return {**report.summary(), "peak": log.peak, "changes": changes, "lost": report.requests - report.completed}
 
 
 class Fleet:

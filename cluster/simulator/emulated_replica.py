@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,29 +75,15 @@ class ModeledOrigin:
     fetch takes at least `min_s` wall seconds, the modeled origin time (Emulation.origin_wall_s); the real
     download counts toward it.
 
-    The tier fetches on its event loop's default executor, whose size is the node's min(32, cpus + 4) threads:
-    6 on a two-core bench machine, where modeled fetches would queue behind each other (the simulator lets every
-    fetch run at once). On first use from the tier's loop, this gives that executor `fetch_threads` threads,
-    a large node's.
+    The tier runs its fetches on a pool of its own (AdapterTier.fetch_concurrency threads, as the simulator's
+    SharedTier does): a modeled fetch sleeps on one of them.
     """
 
     settings: SourceSettings = field(default_factory=SourceSettings)
     min_s: float = 0.0
-    fetch_threads: int = 32
-    _widened: bool = field(default=False, init=False, repr=False)
 
     def __call__(self, uri: str) -> "_ModeledSource":
-        self._widen_executor()
         return _ModeledSource(parse_adapter_uri(uri, settings=self.settings), self.min_s)
-
-    def _widen_executor(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a fetch, on an executor thread
-            return
-        if not self._widened:
-            loop.set_default_executor(ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="tier-fetch"))
-            self._widened = True
 
 
 class _ModeledSource:

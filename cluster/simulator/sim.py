@@ -17,6 +17,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from cluster.adapter_tier import DEFAULT_FETCH_CONCURRENCY
 from cluster.simulator.autoscale import AutoscaleConfig, Fleet, FleetLog, ScalableReplica
 from cluster.simulator.calibration import StepModel, TierCosts, fit
 from cluster.simulator.events import EventLoop
@@ -35,7 +36,7 @@ class ClusterConfig:
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     costs: TierCosts = field(default_factory=TierCosts)
     tier_capacity_bytes: int = 64 * 2**30
-    tier_fetch_workers: int = 32  # origin fetches the shared tier runs at once (its actor's thread pool)
+    tier_fetch_workers: int = DEFAULT_FETCH_CONCURRENCY  # origin fetches the shared tier runs at once
     stats_period_s: float = 1.0
     max_num_models_per_replica: int | None = None  # Ray's multiplex LRU; None: max_cpu_loras
     policy_kwargs: dict = field(default_factory=dict)  # AdapterAffinityPolicy's knobs

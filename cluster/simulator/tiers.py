@@ -5,9 +5,8 @@ by bytes: one object-store copy per cluster, held on the node of the tier's
 actor; a miss is fetched from the origin once however many replicas wait on
 it. AdapterTier's fetch path reads and validates real files, so the simulator
 calls the two methods that hold the cache rule (cache_hit, admit: evicting by
-bytes) with a placeholder value. Origin fetches run `fetch_workers` at a time,
-the rest queued in order: the tier actor fetches on its event loop's default
-executor, min(32, cpus + 4) threads.
+bytes) with a placeholder value. Origin fetches run `fetch_workers` at a time
+(the tier's fetch pool, AdapterTier.fetch_concurrency), the rest queued in order.
 
 PerReplicaDownload is Ray Serve LLM's LoRA loader (ray/llm/_internal/serve/
 utils/lora_serve_utils.py): each replica keeps its own record of adapters it
@@ -21,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from cluster.adapter_tier import AdapterTier
+from cluster.adapter_tier import DEFAULT_FETCH_CONCURRENCY, AdapterTier
 
 from cluster.simulator.calibration import StepModel, TierCosts
 from cluster.simulator.events import EventLoop
@@ -41,7 +40,7 @@ def _no_uri(uri: str):
 
 class SharedTier:
     def __init__(self, loop: EventLoop, model: StepModel, costs: TierCosts, capacity_bytes: int,
-                 tier_node: int = 0, fetch_workers: int = 32) -> None:
+                 tier_node: int = 0, fetch_workers: int = DEFAULT_FETCH_CONCURRENCY) -> None:
         if fetch_workers < 1:
             raise ValueError(f"fetch_workers must be >= 1, got {fetch_workers}")
         self.loop, self.model, self.costs, self.tier_node = loop, model, costs, tier_node

@@ -116,6 +116,36 @@ def test_concurrent_misses_share_one_fetch(adapters, root):
     assert tier.metrics.origin_fetches == 4 and tier.metrics.hits == 24
 
 
+def test_origin_fetches_run_fetch_concurrency_at_once(adapters, root):
+    """Four distinct misses on a tier with fetch_concurrency 2: never more than two fetches in flight, and
+    two at once (its own pool, not the event loop's default executor)."""
+    parse = CountingParse(root, delay_s=0.2)
+    tier = AdapterTier(parse, capacity_bytes=1 << 30, fetch_concurrency=2)
+    names = ["demo-sql", "demo-chat", "demo-summarize", "demo-translate"]
+    for name in names:
+        tier.register(name, str(adapters[name]))
+    inflight, peak = [0], [0]
+    fetch = tier._fetch_blocking
+
+    def counted(*args):
+        inflight[0] += 1
+        peak[0] = max(peak[0], inflight[0])
+        try:
+            return fetch(*args)
+        finally:
+            inflight[0] -= 1
+
+    tier._fetch_blocking = counted
+
+    async def run():
+        return await asyncio.gather(*(tier.get(name) for name in names))
+
+    assert {b.name for b in asyncio.run(run())} == set(names)
+    assert peak[0] == 2 and tier.metrics.origin_fetches == 4
+    with pytest.raises(ValueError):
+        AdapterTier(parse, capacity_bytes=1 << 30, fetch_concurrency=0)
+
+
 def test_lru_eviction_by_bytes(adapters, root):
     small = _blob_size(adapters["demo-sql"]) + _blob_size(adapters["demo-summarize"])
     parse = CountingParse(root)

@@ -194,3 +194,24 @@ def test_calibration_fit_is_close_and_monotone():
         assert model.rms_ms < 0.5
         assert min(model.t0, model.a, model.b, model.f0, model.f1, model.g) >= 0
         assert "rms error" in simulator.fit_table(name)
+
+
+def test_capacity_counts_the_batch_the_slots_allow():
+    """A replica runs at most max_loras distinct adapters a step: traffic spread over many rare adapters runs
+    batches of about max_loras sequences, one hot adapter runs max_num_seqs; capacity follows."""
+    from dataclasses import replace as dc_replace
+
+    from cluster.simulator.capacity import capacity_rps, expected_distinct, slot_limited_batch
+    from cluster.simulator.sim import step_model
+    from cluster.simulator.workload import Request
+
+    assert expected_distinct([1.0], 4, 32) == pytest.approx(1.0)
+    # 4 replicas, 400 adapters of 1/400 each: each on one replica, so a replica's batch of b draws from its 100
+    assert expected_distinct([1 / 400] * 400, 4, 10) == pytest.approx(100 * (1 - (1 - 1 / 100) ** 10))
+    cfg = ReplicaConfig(max_loras=4, max_num_seqs=32)
+    spread = [Request(i * 0.01, f"a{i}", 64, 64, 16) for i in range(2000)]
+    hot = [dc_replace(r, adapter="a0") for r in spread]
+    assert slot_limited_batch(cfg, 4, spread)[0] == 4  # every request a new adapter: 4 fit
+    assert slot_limited_batch(cfg, 4, hot) == (32, pytest.approx(1.0))
+    model = step_model("h200-llama3-8b")
+    assert capacity_rps(4, model, cfg, spread) < 0.5 * capacity_rps(4, model, cfg, hot)
