@@ -183,10 +183,16 @@ class _ReplicaBackend:
         check_prompt_chars("prompt", prompt_chars(request), self.max_prompt_chars)
         for attempt in range(REPLICA_LOSS_RETRIES + 1):
             produced = False
+            held = None  # an output the caller would show nothing of yet: kept back, a later one holds it too
             try:
                 async for out in self.call_generate(request):
-                    produced = True
-                    yield out
+                    if produced or _shows_something(out, request):
+                        produced, held = True, None
+                        yield out
+                    else:
+                        held = out
+                if held is not None:
+                    yield held
                 return
             except BackPressureError as exc:  # every replica's queue is full (max_queued_requests): HTTP 429
                 raise OverloadedError(f"all replicas are at capacity, retry later ({exc})") from exc
@@ -322,6 +328,17 @@ class Ingress:
 async def _relay(outputs) -> AsyncIterator[dict]:
     async for out in outputs:
         yield output_dict(out)
+
+
+def _shows_something(out: Any, request: GenerateRequest) -> bool:
+    """Whether a caller of the API shows anything of this cumulative output: text, an end, or (asked for) token
+    logprobs. A first token whose text the detokenizer still holds back shows nothing, so a replica lost then
+    leaves a request the caller saw no output of, which must run again elsewhere (the outputs are cumulative:
+    holding one back loses nothing)."""
+    if out.finished:
+        return True
+    wants_tokens = request.sampling.get("logprobs") is not None or request.sampling.get("prompt_logprobs") is not None
+    return any(c.text or (wants_tokens and c.token_ids) for c in out.outputs)
 
 
 async def _decoded(items) -> AsyncIterator[Any]:

@@ -291,3 +291,55 @@ def test_render_chat_cuts_after_the_last_content():
         render_chat(messages, template.replace("m['content']", "m['content'] | upper"), add_generation_prompt=False,
                     continue_final_message=True)
     assert err.value.fields == ["continue_final_message"]
+
+
+def _lost_after(outputs_per_run: list[list[tuple[str, list[int], bool]]]):
+    """A replicas' generate that, on its i-th call, yields the i-th run's cumulative outputs (text, token ids,
+    finished) and then, unless the last output finished, loses its replica (ActorDiedError)."""
+    from ray.exceptions import ActorDiedError
+
+    from replicas.outputs import CompletionOutput, RequestOutput
+
+    runs = iter(outputs_per_run)
+
+    async def call(_request):
+        for text, ids, finished in next(runs):
+            yield RequestOutput("r", "hi", [1], [CompletionOutput(0, text, ids, finish_reason="length" if finished
+                                                                  else None)], finished=finished)
+            if finished:
+                return
+        raise ActorDiedError()
+
+    return call
+
+
+def test_a_replica_lost_before_the_caller_saw_anything_runs_the_request_again():
+    """A first token whose text the detokenizer holds back (empty text) is not output the caller saw: the replica
+    lost then, the request runs again elsewhere and the caller sees only the second run. Lost after text went
+    out, it is a ReplicaUnavailableError (503), with nothing run again."""
+    from cluster.deployments import _ReplicaBackend
+    from cluster.errors import ReplicaUnavailableError
+    from cluster.server import GenerateRequest
+
+    def backend(runs):
+        b = _ReplicaBackend(None, catalog=None, model_name="base", default_max_tokens=4)
+        b.call_generate = _lost_after(runs)
+        return b
+
+    async def collect(b, sampling=None):
+        return [(o.outputs[0].text, o.outputs[0].token_ids) async for o in
+                b.generate(GenerateRequest(model="base", sampling=sampling or {}, prompt="hi"))]
+
+    b = backend([[("", [7], False)], [("", [7], False), ("ab", [7, 8], False), ("abc", [7, 8, 9], True)]])
+    assert asyncio.run(collect(b)) == [("ab", [7, 8]), ("abc", [7, 8, 9])]
+    assert b.replica_loss_retries == 1
+
+    b = backend([[("", [7], False), ("ab", [7, 8], False)], [("abc", [7, 8, 9], True)]])
+    with pytest.raises(ReplicaUnavailableError, match="after it had started answering"):
+        asyncio.run(collect(b))
+    assert b.replica_loss_retries == 0
+
+    # Asked for logprobs, a token is output the caller sees (its logprob goes out with empty text)
+    b = backend([[("", [7], False)], [("abc", [7, 8, 9], True)]])
+    with pytest.raises(ReplicaUnavailableError):
+        asyncio.run(collect(b, {"logprobs": 1}))
