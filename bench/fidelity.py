@@ -3,7 +3,7 @@
 One seeded trace (cluster.simulator.workload: Zipf adapters, Poisson arrivals at --load of the cluster's
 capacity) runs (a) through `simulate(trace, ClusterConfig(...), "ours")` and (b) through the app on a local Ray:
 the ingress, AdapterAffinityRouter, the shared adapter tier over an S3 origin on SeaweedFS, and --replicas
-replicas whose engines wait the replica model's time (cluster/simulator/emulated.py; bench/cluster.py runs it),
+replicas whose engines wait the replica model's time (cluster/simulator/emulated.py; bench/emulated_cluster.py runs it),
 replayed open loop through the ingress's Python handle, streaming. Prints both side by side with the relative
 error of each figure and the issue's targets (TTFT p50/p99 and throughput within 15%, load counts within 10%).
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cluster import EmulatedCluster, emulated_summary, run_emulated, seaweedfs  # noqa: E402
+from bench.emulated_cluster import EmulatedCluster, emulated_summary, run_emulated, seaweedfs  # noqa: E402
 from cluster.simulator import ClusterConfig, ReplicaConfig, WorkloadConfig, generate, simulate  # noqa: E402
 
 # (figure, its target: the largest relative error the issue accepts)

@@ -4,7 +4,7 @@ The GPU slots of all modules live in ONE device tensor [max_loras, slot_bytes], 
 adapter is ONE image of a slot in that same layout (zero past each module's rank), so activating an
 adapter is a single host-to-device copy of its image, plus its ranks. Before, it was one copy per
 tensor and one zero_ per buffer, about a thousand torch calls: 20-40 ms of the engine thread per
-activation for an 8B adapter (bench/RESULTS.md, sixth session).
+activation for an 8B adapter, measured by bench/adapter_load.py.
 
 The per-module tensors that LoRASlotBuffers and the kernels see are strided views of that tensor,
 with the shapes slot_buffers.py documents; only their slot stride is the whole slot (slot_bytes).

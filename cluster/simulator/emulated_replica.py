@@ -4,7 +4,7 @@ whose fetches take the modeled time.
 EmulatedReplica is cluster.deployments.LoRAReplica with EmulatedServer, which is LoRAServer with an EmulatedEngine
 (cluster/simulator/emulated.py) in place of AsyncLLMEngine: everything above the engine is the app's (the ingress,
 AdapterAffinityRouter reading record_routing_stats, LoRAServer's adapter loads through TierCatalog and the shared
-tier actor). bench/cluster.py builds the app; bench/fidelity.py checks the simulator against it.
+tier actor). bench/emulated_cluster.py builds the app; bench/fidelity.py checks the simulator against it.
 
 Unlike the rest of cluster/simulator/, these import Ray (through cluster.deployments); `import cluster.simulator`
 does not import them.

@@ -5,7 +5,7 @@ site's whole LoRA kernel: y[t, n] += shrunk[t, slot(t)'s columns] @ B[slot(t), n
 (triton_kernels.expand_kernel, one B tile of one adapter per program) makes each program a chain of
 dependent loads (tile metadata, then rows, then B, then y): at decode sizes its time is that chain's
 latency times the waves of programs, not its bytes (H200, rank 64, 32 rows over 12 adapters: gate_up's
-expand 36 us for 10 us of B; bench/RESULTS.md, twenty-fourth session).
+expand 36 us for 10 us of B; bench/stacked_expand.py --columns).
 
 Here a program owns one BLOCK_N column tile of one slice for every row and loops over the slots below
 the step's slot bound: each iteration loads that slot's B tile and its rows' shrink columns (other rows
@@ -13,13 +13,13 @@ masked to zero) and adds one tl.dot into a [rows, BLOCK_N] accumulator; y is rea
 Each B tile is read once per step, as in SGMV, and a slot no row uses reads nothing. Up to 16 slots on
 the narrower sites, the slots are split into groups of 4, a program per group and column tile: a row has
 one slot, so the groups' programs write disjoint rows (no atomics, the same sums), and four times the
-programs share the bytes (o_proj, 32 rows over 12 rank-64 slots: 12.3 -> 10.1 us; twenty-fifth session).
+programs share the bytes (o_proj, 32 rows over 12 rank-64 slots: 12.3 -> 10.1 us).
 
 Every address and mask in the loop is arithmetic on the loop variable and on registers loaded before
 it: that is what lets Triton's software pipeliner keep NUM_STAGES iterations' loads in flight. A value
 looked up in the loop (the slot's rank from memory, or picked out of a register vector by a reduction)
 left the loop unpipelined, one DRAM round trip per slot (~1 us), and a mask along the rank (B's and the
-shrink's contiguous axis, even one fixed for the loop) kept the loads from vectorizing (same session).
+shrink's contiguous axis, even one fixed for the loop) kept the loads from vectorizing.
 So nothing is masked by rank: the kernel reads each used slot's whole width (max_lora_rank), as the
 stacked GEMM reads its A rows, and relies on the slot images' invariant (model_manager, host_adapter):
 A and B are zero past each adapter's rank on each slice, so the shrink columns past it are zero and add
@@ -124,7 +124,7 @@ def column_expand_kernel(
 
 def column_expand_config(slot_bound: int, out_features: int, rank: int) -> tuple[int, int, int]:
     """(BLOCK_N, NUM_STAGES, slots per program; 0: the whole bound). H200, 32-64 rows, the four 8B sites at ranks
-    16 and 64 (bench/stacked_expand.py --columns, RESULTS.md twenty-fourth and twenty-fifth sessions):
+    16 and 64 (bench/stacked_expand.py --columns):
     gate_up_proj 128-column tiles four stages deep at every bound (32 rows over 12 rank-64 slots: 22.9 us against
     25.1 with 32 columns; 64 rows over 4: 14.4 against 17.6); the narrower sites 32-column tiles up to 4 slots
     (more programs for little work), programs of 4 slots in 64-column tiles up to 16 (32 rows over 12 rank-64

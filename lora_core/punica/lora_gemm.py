@@ -2,7 +2,7 @@
 
 Why: a decode step runs every LoRA linear as a cuBLAS GEMM and at least one
 LoRA kernel after it (an 8B model: 128 of them, 0.6-0.9 ms per step on an
-H200 even when their bytes take 0.1 ms; RESULTS.md, ninth session). Here one
+H200 even when their bytes take 0.1 ms). Here one
 Triton kernel does both, and reads each active adapter's A and B once:
 
     phase A  (the first MAXA x A_SPLITS tickets)  a K-split of s[j] = x @ A[active[j]]^T for every row,
@@ -22,7 +22,7 @@ The expand gathers each row's B tile [BN, R] (rows of one adapter hit L2;
 the loads are issued before the K loop unless prefetch_b is off), so the
 step's A and B bytes are read once. A dense form (one tl.dot over every
 active adapter's R columns) was tried: it costs MAXA x R x BN registers and
-lost at 14 adapters and more (RESULTS.md, tenth session).
+lost at 14 adapters and more (bench/lora_gemm.py).
 
 The engine calls it through PunicaWrapper.add_lora_gemm for small steps of
 few adapters, with tiling()'s settings; bench/lora_gemm.py measures it per site
@@ -213,12 +213,12 @@ class LoRAGemm:
 def tiling(n: int, k: int, slices: tuple[int, ...], rank: int) -> dict | None:
     """LoRAGemm settings for a site at decode sizes (<= 32 rows), or None where the kernel does not apply.
 
-    From bench/lora_gemm.py on an H100, 32 rows, 8B sites (RESULTS.md, tenth session): 32-column tiles but
+    From bench/lora_gemm.py on an H100, 32 rows, 8B sites: 32-column tiles but
     64 for gate_up-sized outputs (more programs than SMs either way), 256-deep K steps when there are at
     most 128 tiles (o, down), else 128 (shallower where K needs it), phase A split 4 ways. Rank 16 only: at
     rank 64 the best tilings of a sweep (bench/lora_gemm.py --rank 64) ran 1.08-1.27 x cuBLAS per site with one
     adapter, and in situ one adapter cost +1025 us per step against the stacked path's +868, Zipf-14 +3629
-    against +3076 (H100, RESULTS.md twelfth session).
+    against +3076 (H100).
     """
     if rank != 16:
         return None

@@ -6,7 +6,7 @@ computed on the host with numpy and reach the device in one non-blocking copy:
 building them never waits for the GPU, and a decode step can be captured in a
 CUDA graph. (A first version derived them on the device: 42 small kernels per
 metadata, ~0.19 ms of every LoRA step's GPU time on an H200 before its graph
-could start; RESULTS.md, ninth session.)
+could start.)
 
 Layout, for T tokens with slots s[0..T) (-1 = no adapter):
     slots      [T]        the slot of each token
@@ -43,7 +43,7 @@ def choose_block_m(num_tokens: int, num_adapters: int = 1) -> int:
 
     A tile holds one adapter's tokens, so tiles taller than an adapter's run
     only add masked rows, and shorter ones re-read its weights once per tile.
-    bench/RESULTS.md has the sweeps behind these bounds.
+    bench/punica_kernels.py sweeps these bounds.
     """
     if num_tokens <= 128 or num_tokens <= 16 * max(1, num_adapters):
         return 16

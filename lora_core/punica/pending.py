@@ -14,7 +14,7 @@ add + RMSNorm after o_proj and down_proj (replicas.kernels.lora_norm), whose
 norm needs whole rows: its programs take column chunks as the expand kernel
 does and meet per row through PunicaWrapper.arrival_workspace (a first version
 with one program per row streamed each row's whole B and ran slower;
-bench/RESULTS.md, fourteenth and seventeenth sessions). `apply()` is the same
+bench/pending_expand.py). `apply()` is the same
 expand into y as a kernel of its own, for every consumer that cannot fuse it
 (and the CPU).
 """

@@ -27,20 +27,20 @@ DEAL_EXPAND_PROGRAMS = 512
 SPLIT_ROWS = 256
 # Largest A tile (rank x K elements) of a BGMV shrink step (shrink_config): H200, T = 1, down_proj's shrink in
 # one step instead of two (r16) or four (r64): 10.2 -> 8.2 us and 12.8 -> 9.7 us with its expand; 8192 gave
-# r64 11.97 (bench/punica_kernels.py --bgmv-tile, RESULTS.md eleventh session).
+# r64 11.97 (bench/punica_kernels.py --bgmv-tile).
 BGMV_SHRINK_TILE = 16384
 # Most K splits of a BGMV shrink per row: each split is a [rank] float32 partial that every expand program of the
 # row reads back (rank 64 at 64 splits: 16 KB per program; `bench/punica_kernels.py --bgmv-splits` sweeps it).
 BGMV_MAX_SPLITS = 64
 # Most split partials (rank x splits floats) per BGMV row: every expand program of the row reads them all back.
 # H100, T = 1, rank 64: qkv 9.98 -> 9.28 us, gate_up 12.86 -> 11.36 at 16 splits instead of 64. Rank 16 plans at
-# most 32 splits (its 256-wide K blocks) and is left alone (bench/punica_kernels.py --bgmv-splits, RESULTS.md twelfth
-# session). 0: no cap.
+# most 32 splits (its 256-wide K blocks) and is left alone (bench/punica_kernels.py --bgmv-splits).
+# 0: no cap.
 BGMV_SPLIT_PARTIALS = 1024
 # ... unless the launch would then hold fewer programs than this, each taking more than one BGMV_SHRINK_TILE step.
 # down_proj (14,336 inputs) at rank 64, H100: T = 1 took 10.4 us at 64 splits (one step), 14.3 at 16 (four steps,
 # 16 programs); T = 16 29.7 at 16 splits against 33.8 at 64. H200, T = 2: 11.0 at 32 splits (64 programs) against
-# 15.5 at 64 and 14.0 at 16 (bench/punica_kernels.py --bgmv-min-programs, RESULTS.md twelfth session).
+# 15.5 at 64 and 14.0 at 16 (bench/punica_kernels.py --bgmv-min-programs).
 BGMV_MIN_PROGRAMS = 64
 
 
@@ -85,7 +85,7 @@ def use_bgmv(meta: PunicaMetadata) -> bool:
 # and re-reading a rank-16 B of 4,096 outputs per row costs less than SGMV's tiles. H200, down_proj rank 16,
 # shrink + expand: 4 / 8 / 16 rows of one adapter 13.5 / 13.3 / 14.0 -> 10.5 / 10.9 / 11.8 us, 16 rows over 4
 # adapters 14.0 -> 12.1; qkv and gate_up (more outputs than inputs) and rank 64 lose with BGMV (bench/punica_kernels.py
-# --bgmv-rows-per-adapter, RESULTS.md thirteenth session). 0: off.
+# --bgmv-rows-per-adapter). 0: off.
 BGMV_SITE_K_OVER_N = 2
 
 
@@ -100,7 +100,7 @@ def use_bgmv_site(meta: PunicaMetadata, hidden: int, outputs: int, rank: int) ->
 # A stacked step's expand runs one program per row (BGMV) while rows x outputs x rank stays under this, even
 # when rows share adapters: with no shrink left to share A reads, SGMV's tile-metadata chain costs more than
 # re-reading B from L2 (H200, 16 rows of one rank-16 adapter: o 5.4 -> 2.8 us, down 7.1 -> 4.8) until B's
-# bytes per row dominate (gate_up, 32 rows: 6.3 -> 13.4 us; bench/lora_site.py, RESULTS.md eighth session).
+# bytes per row dominate (gate_up, 32 rows: 6.3 -> 13.4 us; bench/lora_site.py).
 BGMV_EXPAND_WORK = 1 << 22
 
 
@@ -125,8 +125,8 @@ def _k_steps(hidden: int, split_k: int, block_k: int) -> int:
 # Most K splits for tiles of 32 rows or more (prompt-sized steps): each split leaves a partial that every expand
 # program of the tile reads back in turn, and such steps have tiles enough to fill the GPU with fewer splits.
 # H200, rank 16, Zipf, the four 8B sites' lora_linear extra per layer at 512 / 1,024 / 2,048 rows: 126.4 / 154.6 /
-# 274.3 us with 32, 118.2 / 145.8 / 272.8 with 8 (4: 121.6 / 151.6 / 306.8; bench/delta_first.py, RESULTS.md
-# sixteenth session). 0: 32.
+# 274.3 us with 32, 118.2 / 145.8 / 272.8 with 8 (4: 121.6 / 151.6 / 306.8; bench/delta_first.py).
+# 0: 32.
 SGMV_TALL_MAX_SPLITS = 8
 
 
@@ -169,7 +169,7 @@ def shrink_config(meta: PunicaMetadata, hidden: int, num_slices: int, rank: int,
 # are not pipelined, so where the expand reads y each step waits for them, and narrow steps keep more of them in
 # flight; a write-only expand streams its stores best in wide steps. H200, rank 16, Zipf rows, 8B sites, per site:
 # T = 1,024 qkv 39.7 -> 28.2 us (read back, 128 -> 64 columns), gate_up 125.1 -> 52.1 (written, 256), T = 2,048
-# gate_up 198.8 -> 94.3 (bench/sgmv_plans.py, RESULTS.md sixteenth session).
+# gate_up 198.8 -> 94.3 (bench/sgmv_plans.py).
 _SGMV_EXPAND_BLOCK_N = {True: 64, False: 256}
 
 
@@ -202,7 +202,7 @@ def stacked_expand_config(rank: int) -> tuple[int, int]:
     With no shrink before it to overlap, the expand's time is its B reads' latency: more programs each
     holding one larger tile keep more bytes in flight than a few streaming several small ones. H200, 32
     rows, rank 16, 1-32 adapters: o / down 8.6-8.9 -> 7.6-8.4 us, gate_up over 27 adapters 20.6 -> 17.7;
-    rank 64 with 64-column tiles: o / down 9.7-12.1 -> 8.7-10.5 (bench/stacked_expand.py, RESULTS.md)."""
+    rank 64 with 64-column tiles: o / down 9.7-12.1 -> 8.7-10.5 (bench/stacked_expand.py)."""
     block_n = max(64, min(256, 4096 // _block_r(rank)))
     return block_n, block_n
 

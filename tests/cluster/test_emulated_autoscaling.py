@@ -81,7 +81,7 @@ async def _drive(handle, app: str) -> tuple[list[dict], list[tuple[float, int, s
 @pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
 def test_emulated_replicas_scale_1_3_1_without_a_lost_request(s3_server):
     sys.path.insert(0, str(ROOT))
-    from bench.cluster import EMULATED_APP, EmulatedCluster, emulated_serve
+    from bench.emulated_cluster import EMULATED_APP, EmulatedCluster, emulated_serve
 
     autoscaling = dict(
         min_replicas=1, max_replicas=3, initial_replicas=1, upscale_delay_s=0, downscale_delay_s=0,

