@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster.simulator import ClusterConfig, ReplicaConfig, SLO, WorkloadConfig, generate  # noqa: E402
 from cluster.simulator.autoscale import (AutoscaleConfig, adapter_aware_config, fleet_summary,  # noqa: E402
                                          parse_scaler)
+from cluster.simulator.fleet_bound import diurnal_rate, fleet_bound  # noqa: E402
 from cluster.simulator.sim import run  # noqa: E402
 
 HEAD = (f"{'policy':<24} {'slo':>7} {'ttft_p99':>9} {'replica_h':>9} {'peak':>5} {'changes':>7} {'lost':>5} "
@@ -57,19 +58,22 @@ def main() -> None:
     p.add_argument("--startup", type=float, default=60.0, help="s from asked for to serving")
     p.add_argument("--look-back", type=float, default=30.0, help="Serve's look_back_period_s (both policies)")
     p.add_argument("--metrics-interval", type=float, default=10.0, help="Serve's metrics push period (both)")
-    p.add_argument("--targets", type=float, nargs="+", default=[8, 12, 16, 20, 24, 32],
+    p.add_argument("--targets", type=float, nargs="+", default=[8, 10, 12, 13, 14, 15, 16, 20, 24],
                    help="Serve's target_ongoing_requests values to run")
     p.add_argument("--serve-delays", type=float, nargs=2, default=[30.0, 600.0], metavar=("UP", "DOWN"),
                    help="Serve's upscale_delay_s, downscale_delay_s (its defaults: 30 600)")
     p.add_argument("--scaler", default="", help="AutoscalerConfig overrides, k=v,k=v (the policy_kwargs)")
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--bound", type=float, default=0.9999,
+                   help="also the clairvoyant fleet's replica-hours at this attainment (fleet_bound.py; 0: skip)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
 
-    trace = generate(WorkloadConfig(duration_s=a.duration, rate=a.rate, num_adapters=a.adapters, zipf_s=a.zipf,
-                                    diurnal_amplitude=a.diurnal, diurnal_period_s=a.duration,
-                                    churn_every_s=a.churn, seed=a.seed))
+    workload = WorkloadConfig(duration_s=a.duration, rate=a.rate, num_adapters=a.adapters, zipf_s=a.zipf,
+                              diurnal_amplitude=a.diurnal, diurnal_period_s=a.duration, churn_every_s=a.churn,
+                              seed=a.seed)
+    trace = generate(workload)
     replica = ReplicaConfig(max_loras=a.max_loras, max_cpu_loras=a.max_cpu_loras, max_num_seqs=a.max_num_seqs,
                             max_ongoing=a.max_ongoing)
     scaler = parse_scaler(a.scaler)
@@ -106,6 +110,15 @@ def main() -> None:
         print(f"\nno Serve row reaches ours' attainment ({ours['slo']:.4f}); the best, {best['name']}, has "
               f"{best['slo']:.4f} at {best['replica_h']:.2f} replica-h; ours uses "
               f"{ours['replica_h'] / best['replica_h']:.3f} x that")
+        ref = best
+    if a.bound:
+        cluster = ClusterConfig(replica=replica, slo=SLO(a.slo_ttft, a.slo_tpot))
+        b = fleet_bound(diurnal_rate(workload), a.duration, workload, cluster, a.bound, a.max_replicas, seed=a.seed)
+        rates = ", ".join(f"{n}: {r:.1f}" for n, r in b.rates.items())
+        print(f"clairvoyant fleet at {a.bound:.4f} attainment: {b.replica_h:.2f} replica-h (sustainable req/s by "
+              f"fleet size {rates}); ours {ours['replica_h'] / b.replica_h:.3f} x it, {ref['name']} "
+              f"{ref['replica_h'] / b.replica_h:.3f} x; the target, 0.8 x {ref['name']}, is "
+              f"{0.8 * ref['replica_h'] / b.replica_h:.3f} x it (below 1: beyond any autoscaler)")
 
 
 if __name__ == "__main__":

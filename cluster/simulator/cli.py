@@ -126,10 +126,6 @@ AUTOSCALE_COLUMNS = [("policy", "{:<20}", 20), ("slo", "{:>7.4f}", 7), ("goodput
                      ("changes", "{:>7}", 7), ("lost", "{:>5}", 5)]
 
 
-def autoscale_table(rows: list[dict]) -> str:
-    head = " ".join(f"{n:>{w}}" if i else f"{n:<{w}}" for i, (n, _, w) in enumerate(AUTOSCALE_COLUMNS))
-    return "\n".join([head, *(" ".join(f.format(r[n]) for n, f, _ in AUTOSCALE_COLUMNS) for r in rows)])
-
 
 def autoscaling_yaml(lo: int, hi: int, initial: int, look_back_s: float, scaler: dict, max_num_seqs: int) -> str:
     """The adapter-aware run's settings as deploy/config.gpu.yaml's replica.autoscaling_config."""
@@ -283,7 +279,7 @@ def _autoscale(a: argparse.Namespace, trace: list[Request], cfg: ClusterConfig, 
     up, down = a.serve_delays
     print(f"\nautoscaling {lo}..{hi} replicas (initial {initial}), start-up {a.startup_s:g} s, behind the "
           f"adapter-affinity router; Serve's delays {up:g} / {down:g} s for its own policy:")
-    print(autoscale_table(rows))
+    print(table(rows, AUTOSCALE_COLUMNS))
     print("(slo: share meeting the SLO; goodput: req/s meeting it; replica_h: live replicas integrated, starting and "
           "draining included; lost: requests never answered)")
     print("\nthe adapter-aware run's settings, for replica: in deploy/config.gpu.yaml:")

@@ -82,10 +82,11 @@ COLUMNS = [("policy", "{:<14}", 14), ("ttft_p50", "{:>9.3f}", 9), ("ttft_p99", "
            ("slot_loads", "{:>10}", 10), ("busy", "{:>6.3f}", 6), ("replica_h", "{:>9.2f}", 9)]
 
 
-def table(summaries: list[dict]) -> str:
-    head = " ".join(f"{name:>{w}}" if i else f"{name:<{w}}" for i, (name, _, w) in enumerate(COLUMNS))
+def table(summaries: list[dict], columns: list[tuple[str, str, int]] = COLUMNS) -> str:
+    """Rows of `columns` (name, format, width) from summary dicts; a missing value prints as "-"."""
+    head = " ".join(f"{name:>{w}}" if i else f"{name:<{w}}" for i, (name, _, w) in enumerate(columns))
     lines = [head]
     for s in summaries:
         lines.append(" ".join(fmt.format(s[name]) if s.get(name) is not None else f"{'-':>{w}}"
-                             for name, fmt, w in COLUMNS))
+                             for name, fmt, w in columns))
     return "\n".join(lines)

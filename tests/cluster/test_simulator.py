@@ -1,6 +1,7 @@
 """The cluster simulator (cluster/simulator/): deterministic, runs the app's own policy classes, models Ray
 Serve's per-replica downloads, and never beats its bound."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -215,3 +216,30 @@ def test_capacity_counts_the_batch_the_slots_allow():
     assert slot_limited_batch(cfg, 4, hot) == (32, pytest.approx(1.0))
     model = step_model("h200-llama3-8b")
     assert capacity_rps(4, model, cfg, spread) < 0.5 * capacity_rps(4, model, cfg, hot)
+
+
+def test_the_clairvoyant_fleet_follows_the_rate_with_the_fewest_sustaining_replicas():
+    """fleet_bound: a fleet's sustainable rate grows with its size and meets the SLO where a rate 1.3 x above it
+    does not; over a rate curve the bound charges, at each step, the fewest sizes whose rate covers it; and
+    diurnal_rate is generate's curve (its arrivals per minute follow it)."""
+    from cluster.simulator.fleet_bound import diurnal_rate, fleet_bound, sustainable_rate
+
+    wl = WorkloadConfig(duration_s=60.0, rate=10.0, num_adapters=50, output_median=32, max_output=128, seed=4)
+    cluster = ClusterConfig(replica=ReplicaConfig(max_loras=4, max_cpu_loras=8, max_num_seqs=8, max_ongoing=16))
+    one = sustainable_rate(1, wl, cluster, 0.99, duration_s=60.0, tolerance=0.05)
+    assert 0 < one
+    fixed = dataclasses.replace(cluster, replicas=1)
+    over = simulate(generate(dataclasses.replace(wl, rate=1.3 * one)), fixed, "ours").summary()["slo"]
+    assert over < 0.99
+    bound = fleet_bound(lambda t: one * (0.5 if t < 30 else 1.5), 60.0, wl, cluster, 0.99, 3, step_s=10.0,
+                        probe_s=60.0)
+    assert bound.rates[1] == pytest.approx(one, rel=0.05) and bound.rates[2] > bound.rates[1]
+    n_high = min(n for n, r in bound.rates.items() if r >= 1.5 * one)
+    # 20 s at 1 replica, then the step [20, 30) sees the rise (its end's rate), so 4 steps at n_high
+    assert bound.replica_h == pytest.approx((20 * 1 + 40 * n_high) / 3600)
+    curve = WorkloadConfig(duration_s=600.0, rate=20.0, diurnal_amplitude=0.8, diurnal_period_s=600.0, seed=1)
+    arrivals = generate(curve)
+    rate = diurnal_rate(curve)
+    for minute in (1, 4, 7):
+        seen = sum(1 for r in arrivals if 60 * minute <= r.arrival_s < 60 * (minute + 1)) / 60
+        assert seen == pytest.approx(rate(60 * minute + 30), rel=0.25)
