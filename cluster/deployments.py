@@ -301,7 +301,8 @@ class Ingress:
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": prompt}
         request = GenerateRequest(model, sampling, prompt=prompt, messages=messages, priority=priority,
-                                  chat_template_kwargs=chat_template_kwargs, restartable=not stream)
+                                  chat_template_kwargs=chat_template_kwargs, restartable=not stream,
+                                  shows_token_ids=True)
         outputs = self.backend.generate(request)
         if stream:
             return _relay(outputs)
@@ -331,13 +332,14 @@ async def _relay(outputs) -> AsyncIterator[dict]:
 
 
 def _shows_something(out: Any, request: GenerateRequest) -> bool:
-    """Whether a caller of the API shows anything of this cumulative output: text, an end, or (asked for) token
-    logprobs. A first token whose text the detokenizer still holds back shows nothing, so a replica lost then
-    leaves a request the caller saw no output of, which must run again elsewhere (the outputs are cumulative:
-    holding one back loses nothing)."""
+    """Whether a caller of the API shows anything of this cumulative output: text, an end, or token ids where it
+    sees them (Python handle, gRPC, or asked-for logprobs). A first token whose text the detokenizer still holds
+    back shows an HTTP caller nothing, so a replica lost then leaves a request the caller saw no output of,
+    which must run again elsewhere (the outputs are cumulative: holding one back loses nothing)."""
     if out.finished:
         return True
-    wants_tokens = request.sampling.get("logprobs") is not None or request.sampling.get("prompt_logprobs") is not None
+    wants_tokens = (request.shows_token_ids or request.sampling.get("logprobs") is not None
+                    or request.sampling.get("prompt_logprobs") is not None)
     return any(c.text or (wants_tokens and c.token_ids) for c in out.outputs)
 
 

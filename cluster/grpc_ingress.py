@@ -126,7 +126,9 @@ def request_from_proto(msg: pb.GenerateRequest, model_name: str, default_max_tok
         sampling["structured_outputs"] = {name: _plain(v) for name in _STRUCTURED if (v := getattr(so, name))}
 
     model = msg.adapter or model_name
-    extra = {"request_id": msg.request_id} if msg.request_id else {}
+    extra: dict = {"shows_token_ids": True}  # each GenerateResponse carries its token ids
+    if msg.request_id:
+        extra["request_id"] = msg.request_id
     if msg.HasField("priority"):
         extra["priority"] = msg.priority
     if msg.messages:

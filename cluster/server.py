@@ -69,6 +69,8 @@ class GenerateRequest:
     chat_template_kwargs: dict[str, Any] | None = None  # chat: more template variables (Qwen3's enable_thinking)
     # Its caller keeps only the last output (no stream): a replica lost midway may be replaced by a fresh run
     restartable: bool = False
+    # Its caller sees token ids (Python handle, gRPC), not only text: any token it was sent counts as seen
+    shows_token_ids: bool = False
 
 
 @dataclass

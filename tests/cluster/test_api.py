@@ -326,9 +326,9 @@ def test_a_replica_lost_before_the_caller_saw_anything_runs_the_request_again():
         b.call_generate = _lost_after(runs)
         return b
 
-    async def collect(b, sampling=None):
+    async def collect(b, sampling=None, **fields):
         return [(o.outputs[0].text, o.outputs[0].token_ids) async for o in
-                b.generate(GenerateRequest(model="base", sampling=sampling or {}, prompt="hi"))]
+                b.generate(GenerateRequest(model="base", sampling=sampling or {}, prompt="hi", **fields))]
 
     b = backend([[("", [7], False)], [("", [7], False), ("ab", [7, 8], False), ("abc", [7, 8, 9], True)]])
     assert asyncio.run(collect(b)) == [("ab", [7, 8]), ("abc", [7, 8, 9])]
@@ -343,3 +343,15 @@ def test_a_replica_lost_before_the_caller_saw_anything_runs_the_request_again():
     b = backend([[("", [7], False)], [("abc", [7, 8, 9], True)]])
     with pytest.raises(ReplicaUnavailableError):
         asyncio.run(collect(b, {"logprobs": 1}))
+
+    # A Python handle or gRPC caller sees token ids: each output streams as it comes, and one lost after a token
+    # went out is not run again
+    b = backend([[("", [7], False), ("", [7, 8], False)], [("abc", [7, 8, 9], True)]])
+    seen = []
+
+    async def collect_handle():
+        async for o in b.generate(GenerateRequest(model="base", sampling={}, prompt="hi", shows_token_ids=True)):
+            seen.append(o.outputs[0].token_ids)
+    with pytest.raises(ReplicaUnavailableError, match="after it had started answering"):
+        asyncio.run(collect_handle())
+    assert seen == [[7], [7, 8]] and b.replica_loss_retries == 0
