@@ -37,10 +37,10 @@ def test_scales_up_on_queueing():
 
 
 def test_scales_up_when_the_working_set_outgrows_the_slots():
-    # 2 replicas x 16 slots x 0.9 = 28.8 adapters; few requests, 60 distinct adapters: ceil(60 / 14.4) = 5
+    # 2 replicas x 16 slots x 0.95 = 30.4 adapters; few requests, 62 distinct adapters: ceil(62 / 15.2) = 5
     s = scaler()
-    assert s.decide(0.0, metrics(requests=10, working_set=28)) == 2
-    assert s.decide(1.0, metrics(requests=10, working_set=60)) == 5
+    assert s.decide(0.0, metrics(requests=10, working_set=30)) == 2
+    assert s.decide(1.0, metrics(requests=10, working_set=62)) == 5
     assert s.last_reason == "adapters"
 
 

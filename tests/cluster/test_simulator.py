@@ -237,9 +237,26 @@ def test_the_clairvoyant_fleet_follows_the_rate_with_the_fewest_sustaining_repli
     n_high = min(n for n, r in bound.rates.items() if r >= 1.5 * one)
     # 20 s at 1 replica, then the step [20, 30) sees the rise (its end's rate), so 4 steps at n_high
     assert bound.replica_h == pytest.approx((20 * 1 + 40 * n_high) / 3600)
+    # ... and with start-up: one replica was up at 0, each added one asked for 15 s ahead of its step
+    started = fleet_bound(lambda t: one * (0.5 if t < 30 else 1.5), 60.0, wl, cluster, 0.99, 3, step_s=10.0,
+                          probe_s=60.0, startup_s=15.0, initial=1)
+    assert started.replica_h_started == pytest.approx(bound.replica_h + (n_high - 1) * 15 / 3600)
     curve = WorkloadConfig(duration_s=600.0, rate=20.0, diurnal_amplitude=0.8, diurnal_period_s=600.0, seed=1)
     arrivals = generate(curve)
     rate = diurnal_rate(curve)
     for minute in (1, 4, 7):
         seen = sum(1 for r in arrivals if 60 * minute <= r.arrival_s < 60 * (minute + 1)) / 60
         assert seen == pytest.approx(rate(60 * minute + 30), rel=0.25)
+
+
+def test_a_started_fleet_pays_each_start_or_keeps_a_replica_over_a_short_gap():
+    """started_replica_s: the j-th replica's running spans, plus start-up for each span it starts (none for the
+    replicas up at time 0), or the gap since it stopped where that is shorter."""
+    from cluster.simulator.fleet_bound import started_replica_s
+
+    plan = [(0.0, 1), (10.0, 3), (20.0, 3), (30.0, 1), (40.0, 3), (50.0, 1)]
+    # replica 1: 60 s up from 0; replicas 2 and 3 each: 15 s start + 20 s up, kept over the 10 s gap, 10 s up
+    assert started_replica_s(plan, 10.0, 15.0, initial=1) == pytest.approx(60 + 2 * (15 + 20 + 10 + 10))
+    assert started_replica_s(plan, 10.0, 5.0, initial=1) == pytest.approx(60 + 2 * (5 + 20 + 5 + 10))
+    assert started_replica_s(plan, 10.0, 15.0, initial=0) == pytest.approx(15 + 60 + 2 * (15 + 20 + 10 + 10))
+    assert started_replica_s(plan, 10.0, 0.0, initial=0) == pytest.approx(sum(n * 10 for _, n in plan))
