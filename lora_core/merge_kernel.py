@@ -17,7 +17,7 @@ delta, computed by the same compiled kernel (``mode`` is not specialized), so
 the elements MERGE finds are exactly those UNMERGE gets wrong. A merge
 costs three passes over the weights (read, read, read + write) and an unmerge
 two, where torch ops took about twelve and six; no temporary the size of a weight.
-On an H200 the passes run at 1.0-2.4 TB/s of its ~4.2 (bench/RESULTS.md, 21st session):
+On an H200 the passes run at 1.0-2.4 TB/s of its ~4.2:
 each tile's loads, MMA and reduction run one after another, and neither
 looping over tiles in a program nor other tile shapes did better.
 """

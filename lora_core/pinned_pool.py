@@ -2,8 +2,8 @@
 
 Pinning memory for an adapter as it arrives (cudaHostAlloc of an 84 MB slab, an 8B rank-16 adapter)
 took 60-95 ms on an H200 host, and the CUDA driver serializes its API meanwhile: the engine thread's
-kernel launches and copies waited, and steps that took 12 ms took 140-190 ms (bench/RESULTS.md, sixth
-session). So the slabs come from one region pinned at start-up, cut into equal blocks, each large
+kernel launches and copies waited, and steps that took 12 ms took 140-190 ms (bench/engine.py on an
+H200). So the slabs come from one region pinned at start-up, cut into equal blocks, each large
 enough for the largest adapter one rank can hold (every slot at max_lora_rank, as the GPU slots are
 sized). A block goes back to the pool when the HostAdapter holding it is collected, and is handed out
 again only once the host-to-device copies that read it have finished (an event the manager records
@@ -16,8 +16,8 @@ A shared pool (shared=True) lays its region in shared memory, so that a loader p
 (replicas/lora_load_process.py) can write an adapter straight into a block the serving process handed
 it. Otherwise each load went through a slab the worker put in shared memory for that adapter, whose
 fresh pages cost more than the load itself: on an H200 host a rank-16 load (84 MB) took 132 ms in a
-worker against 54 ms on a thread, rank 64 (336 MB) 504 against 122 (bench/adapter_load.py, RESULTS.md
-twelfth session). The region is a SharedRegion (lora_core/shared_region.py): on Linux an anonymous memory
+worker against 54 ms on a thread, rank 64 (336 MB) 504 against 122 (bench/adapter_load.py). The region is a
+SharedRegion (lora_core/shared_region.py): on Linux an anonymous memory
 file, whatever the size of /dev/shm; elsewhere, where /dev/shm has no room for it, the pool stays private
 (``shared`` False) and the loader falls back to that path.
 """

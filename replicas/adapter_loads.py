@@ -36,7 +36,7 @@ _LOADER_THREADS = 2
 # Load processes where EngineArgs.lora_load_processes is None: on CUDA hosts, 4 while the cores allow it (one per
 # four usable cores). Loads on threads share the GIL with the engine's host loop: on an H200 host the 8B engine
 # ran distinct rank-16 traffic at 0.64 x base on threads and 0.80 with 4 processes, TTFT p50 211 against 77 ms
-# (bench/RESULTS.md, twenty-third session). On CPU the engine's own steps want the cores, hence threads there.
+# (bench/engine.py). On CPU the engine's own steps want the cores, hence threads there.
 DEFAULT_LOAD_PROCESSES = 4
 
 

@@ -72,7 +72,7 @@ class AttentionMetadata:
         # Width padded to a multiple of TABLE_WIDTH_ALIGN: Triton compiles a kernel variant per class of each
         # integer argument (1, a multiple of 16, other), and the table's row stride is one. Unpadded, a prefill
         # step's width fell in a class the engine's warm-up had not met (0.5-1 s compile stalls mid-serving,
-        # bench/engine.py on a fresh Triton cache, RESULTS.md twelfth session).
+        # bench/engine.py on a fresh Triton cache).
         width = -(-max((len(t) for t in block_tables), default=0) // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN
         tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
 

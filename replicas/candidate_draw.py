@@ -3,7 +3,7 @@
 Why one function: the sampler's top-k path (rows with top_k <= TOP_K_CANDIDATES, replicas/sampler.py) took
 about twenty small torch kernels and five host-to-device copies a step, each with its launch's host time. On
 the 1B shape, whose decode step takes ~1.5 ms, that host time (0.84 ms with 32 seeded rows) set the pace
-(bench/sampling_settings.py, RESULTS.md twenty-ninth session). On CUDA one Triton program per row does it all
+(bench/sampling_settings.py). On CUDA one Triton program per row does it all
 (replicas/kernels/candidate_draw.py); the torch code here is the reference and the CPU path.
 
 Inputs, per row of the group:

@@ -10,7 +10,7 @@ the GPU's idle time between steps. The other way round hurts more: a load
 gives the GIL up at each of its own ~1,600 torch calls, and beside a thread
 that runs Python it waits at each one, so with Python's 5 ms a load that
 takes 75 ms alone took 6-17 s beside a busy thread, and 0.7 s with 0.2 ms
-(bench/load_contention.py, bench/RESULTS.md twenty-second session).
+(bench/load_contention.py).
 
 The interval is the interpreter's, so one SwitchInterval per process holds it:
 while any load is inside, the smallest interval asked for; the value found

@@ -36,7 +36,7 @@ from replicas.tokenizer import Tokenizer
 COMPILE_CACHE_BYTES = 256 << 20
 # Threads that fill one step's masks. xgrammar's BatchGrammarMatcher starts its threads on every call: with 8
 # (its "auto" on 16 cores) an 8B step's 32 masks took 5 ms against 0.9 filled one by one (H100,
-# bench/structured_outputs.py, RESULTS.md twenty-seventh session); one thread still saves the per-row Python calls.
+# bench/structured_outputs.py); one thread still saves the per-row Python calls.
 FILL_THREADS = 1
 # xgrammar's messages start with the C++ source position: "[12:00:01] /project/cpp/x.cc:83: ...".
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")

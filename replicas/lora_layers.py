@@ -98,7 +98,7 @@ def stacked_max_tokens(requested: int | None, lora_config: LoRAConfig, device: t
 # The default adapter bound of one-launch sites, by device name. 8B engine, Zipf traffic over 100 adapters
 # (~10 per step), decode extra over no LoRA: on an H100 a bound of 16 took it from 1.42 to 0.95 ms per step
 # (the base GEMMs there run long enough to hide phase A); on an H200 it ran 0.10 ms slower than the stacked
-# path (bench/RESULTS.md, eleventh and tenth sessions). Elsewhere (unmeasured) the H200's setting, 4: one
+# path (bench/engine.py). Elsewhere (unmeasured) the H200's setting, 4: one
 # adapter's decode extra 0.72 -> 0.44 ms per step there.
 FUSED_MAX_ADAPTERS = (("H100", 16),)
 FUSED_MAX_ADAPTERS_ELSE = 4
@@ -126,11 +126,11 @@ def fused_max_adapters(requested: int | None, stacked_tokens: int, max_lora_rank
 # (SiluAndMul fuses only rank <= 16: fused.LORA_SILU_MAX_RANK). H200, 8B gate_up, expand + silu vs the fused
 # silu: 32 rows over 10 / 16 adapters 14.9 / 18.9 -> 10.4 / 10.6 us over the base GEMM and silu, 1-4 adapters
 # 2-4 us slower (per-row B reads: no tile shares them), rank 64 slower; engine, Zipf over 100 adapters: decode
-# step 7.02 -> 6.92 ms (fourteenth session). qkv's rotary saves 2.1-2.6 us per site at 1-32 adapters (H100, 32
+# step 7.02 -> 6.92 ms. qkv's rotary saves 2.1-2.6 us per site at 1-32 adapters (H100, 32
 # rows), 1.1-2.9 at rank 64 from 10 adapters on (H200); engine with both, Zipf 6.86 -> 6.75 ms, uniform 6.87 ->
-# 6.80 (fifteenth session). o_proj's and down_proj's inside the add + RMSNorm after them (rank <= 16:
-# lora_norm.LORA_NORM_MAX_RANK): 0.7-1.1 us per site at 24-32 rows over 10-32 adapters (H200, seventeenth
-# session). bench/pending_expand.py, bench/engine.py; bench/RESULTS.md.
+# 6.80. o_proj's and down_proj's inside the add + RMSNorm after them (rank <= 16:
+# lora_norm.LORA_NORM_MAX_RANK): 0.7-1.1 us per site at 24-32 rows over 10-32 adapters (H200).
+# Measured with bench/pending_expand.py and bench/engine.py.
 PENDING_MAX_TOKENS = 32
 PENDING_MAX_RANK = 64
 

@@ -9,8 +9,7 @@ only copies that one slab into pinned memory (one copy_, which releases the
 GIL, into a block of the manager's PinnedSlabPool, pinned at start-up). On an
 H200 host (bench/load_contention.py) loads on a thread slowed a tiny engine's
 steps 1.78x at the median, in a process 0.93x (no slowdown), at the same load
-rate; with the 8B engine, rows with many loads gained 11-26% tok/s
-(bench/RESULTS.md, fourth session).
+rate; with the 8B engine, rows with many loads gained 11-26% tok/s.
 
 With a shared host pool (PinnedSlabPool(shared=True), the manager's when load processes are on) the
 serving process hands the worker a free block and the worker writes the adapter straight into it: no slab

@@ -52,7 +52,7 @@ from replicas.parallel import ParallelContext
 # unmerged.
 MAX_UNDO_SHARE = 0.5
 # A merge undone within this many steps cost more than it saved (8B on an H200: a merge and an unmerge take
-# ~75 ms, ~120 times the ~0.6 ms a LoRA decode step costs over a merged one; bench/RESULTS.md, 21st session),
+# ~75 ms, ~120 times the ~0.6 ms a LoRA decode step costs over a merged one),
 # so the streak the next merge waits for doubles (up to merge_after << MAX_WAIT_DOUBLINGS); one that lasted
 # longer resets it.
 PAYBACK_STEPS = 128

@@ -34,8 +34,8 @@ from replicas.piecewise_graphs import PiecewiseGraphs
 from replicas.quantization import link_fp8_norms, quantize_model
 from replicas.warm_up import warm_up
 
-# Evicting prefetch copies per step: an 8B rank-16 adapter's copy takes 2.2 ms of an H200's ~6.5 ms decode step
-# (bench/RESULTS.md, nineteenth session), so two hide under it; more would make the next step wait.
+# Evicting prefetch copies per step: an 8B rank-16 adapter's copy takes 2.2 ms of an H200's ~6.5 ms decode step,
+# so two hide under it; more would make the next step wait.
 PREFETCH_EVICTIONS = 2
 
 

@@ -1,8 +1,8 @@
 """A draw over the whole vocabulary with min_p and top_p but no top_k, without sorting the vocabulary.
 
 Why: a row with top_p and no top_k (the OpenAI clients' form) sorted its 128 K logits to find the nucleus:
-0.87 ms of GPU time for 32 rows, 15% of an 8B decode step (bench/sampler_host.py, bench/sampling_settings.py,
-RESULTS.md twenty-ninth session). The draw is argmax over the nucleus of p / q (q the row's Exp(1) noise,
+0.87 ms of GPU time for 32 rows, 15% of an 8B decode step (bench/sampler_host.py, bench/sampling_settings.py). The
+draw is argmax over the nucleus of p / q (q the row's Exp(1) noise,
 replicas/seeded_noise.py), and that needs only the nucleus's membership test, not its order:
 
     token i is in the nucleus  <=>  the mass of the tokens more likely than i is < top_p

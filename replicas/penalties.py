@@ -7,7 +7,7 @@ frequency x (times the outputs hold it) and presence x (whether they hold it at 
 Built from the host's lists at every step, that costs the host more than a small model's decode step takes:
 every output id of every row through numpy and to the device, a [rows, vocab] count from zero, each row's
 prompt mask stacked, a dozen torch launches (0.9 ms of host time at 32 rows x 128 K, a 1B model's step
-1.75 -> 4.4 ms; bench/RESULTS.md twenty-seventh and twenty-eighth sessions). PenaltyState keeps a slot per
+1.75 -> 4.4 ms). PenaltyState keeps a slot per
 sequence instead: a row of output counts and one of prompt tokens, filled from the host once and then
 advanced on the device by each token the sampler draws for it (record). A step costs one copy of the rows'
 settings and a launch (replicas/kernels/penalties.py on CUDA).

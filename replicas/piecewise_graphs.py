@@ -2,8 +2,7 @@
 
 A step with prompt tokens used to run eagerly: some 320 kernel launches on
 a Llama-3-8B (590 with LoRA), each behind tens of microseconds of Python, so
-the host took 26-58 ms for a step whose kernels kept the GPU busy 10-18 ms
-(bench/RESULTS.md, fifth session). Such a step's attention depends on how the
+the host took 26-58 ms for a step whose kernels kept the GPU busy 10-18 ms. Such a step's attention depends on how the
 tokens split into sequences, a host-side shape; everything else in a layer
 (norms, projections and their LoRA, rotary, MLP, the TP all-reduces) depends
 only on the token count. So the model is cut at its attentions into

@@ -90,7 +90,7 @@ def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 # Rows with top_k up to this many draw among their top-k candidates (torch.topk) instead of sorting the whole
 # vocabulary for top-k / top-p: a sort of 32 x 128 K logits took about 1 ms of a decode step (H100,
-# bench/sampling_settings.py, RESULTS.md twenty-seventh session).
+# bench/sampling_settings.py).
 TOP_K_CANDIDATES = 1024
 
 

@@ -3,8 +3,8 @@
 Why: the sampler draws argmax(p / q) with q ~ Exp(1) (replicas/sampler.py), and a request with a seed must
 draw the same tokens whatever shares its batch. Each seeded row drew its q from a torch.Generator of its
 own: one call, with its Python and launch cost, per row and step. On the 1B shape, whose decode step takes
-~1.7 ms, 32 seeded rows made random sampling cost 1.9 x a greedy step (bench/sampling_settings.py,
-RESULTS.md twenty-seventh session). Here q is a function of (seed, the draw's number, the column): the host
+~1.7 ms, 32 seeded rows made random sampling cost 1.9 x a greedy step (bench/sampling_settings.py). Here q is a
+function of (seed, the draw's number, the column): the host
 turns each row's (seed, draw) into a 64-bit key, and one kernel hashes every (key, column) pair of the step.
 Neighbours cannot change a row's noise, and CPU and GPU draw the same noise for a seed. A row without a
 seed hashes a fresh random key the same way (replicas/sampler.py), so every row of a step shares one launch;

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 # Ranks a rank mask covers at a time (rank_mask): 8 lets bf16 loads along the rank, B's contiguous axis, take
-# 16 bytes at once (H200, bench/punica_kernels.py: gate_up rank 64, T = 64 distinct 147.5 -> 103.6 us; RESULTS.md
-# twenty-fourth session). Env LORAFLEET_RANK_MASK_GROUP=1 masks each rank exactly (for A/B runs).
+# 16 bytes at once (H200, bench/punica_kernels.py: gate_up rank 64, T = 64 distinct 147.5 -> 103.6 us). Env
+# LORAFLEET_RANK_MASK_GROUP=1 masks each rank exactly (for A/B runs).
 RANK_MASK_GROUP = tl.constexpr(int(os.environ.get("LORAFLEET_RANK_MASK_GROUP", "8")))
 
 

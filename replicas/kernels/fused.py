@@ -46,8 +46,8 @@ _MAX_NORM_BLOCK = 8192  # a row up to this wide stays in registers; wider rows a
 # over the base GEMM and op with one adapter, 10.3 / 11.1 / 11.1 with ten (bench/pending_expand.py).
 LORA_SILU_BLOCK = 128
 # Slots of up to this rank: past it each row's B (per-row reads, no tile shares them) costs more than the expand
-# kernel saves (H200, 8B gate_up, rank 64: 1.3-33 us slower per site at 1-32 adapters; bench/pending_expand.py,
-# RESULTS.md fifteenth session). SiluAndMul runs a larger expand as its own kernel first.
+# kernel saves (H200, 8B gate_up, rank 64: 1.3-33 us slower per site at 1-32 adapters; bench/pending_expand.py).
+# SiluAndMul runs a larger expand as its own kernel first.
 LORA_SILU_MAX_RANK = 16
 
 

@@ -5,7 +5,7 @@ after lora.apply() (the expand into x, the layer's output): h = (x + expand) +
 residual, y = norm(h). The norm needs a whole row's sum of squares, and a
 program per row would stream the row's whole B (rank x hidden) alone: that
 first version ran 3-11 us slower than the expand kernel it replaced
-(bench/RESULTS.md, fourteenth session). Here the grid is (row, column chunk),
+(bench/pending_expand.py). Here the grid is (row, column chunk),
 as wide as the expand kernel's: each program adds its chunk's expand and
 residual, stores h and its chunk's sum of squares, and counts itself in with
 an atomic; the row's last program to arrive sums the partials in chunk order
@@ -36,7 +36,7 @@ from replicas.layers.row_scale import RowScale
 
 # Columns per program: each holds a [block, R] tile of the row's B. H200, 8B o_proj / down_proj, 16-32 rows over
 # 1-32 adapters (bench/pending_expand.py --sites o down --blocks 64 128 256 512): 256 saved 0.7-1.2 us per o_proj
-# site over the expand kernel + add + RMSNorm; 64 lost up to 1.1 (RESULTS.md, seventeenth session).
+# site over the expand kernel + add + RMSNorm; 64 lost up to 1.1.
 LORA_NORM_BLOCK = 256
 LORA_NORM_WARPS = 4
 # Slots of up to this rank fuse (as SiluAndMul's LORA_SILU_MAX_RANK); RMSNorm runs a larger expand first.

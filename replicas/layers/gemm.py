@@ -4,7 +4,7 @@ torch runs a half-precision x @ W^T through cublasGemmEx unless
 torch.backends.cuda.preferred_blas_library() says "cublaslt". The two ask
 different heuristics, which for a decode step's skinny GEMMs pick different
 kernels. On an H200 (Llama-3-8B shapes, 32 layers' GEMMs in one CUDA graph;
-bench/gemm_frontends.py, bench/RESULTS.md seventeenth session), through
+bench/gemm_frontends.py), through
 cublasLt: o_proj at 32 rows 14.1 -> 12.1 us, down_proj 34.0 -> 31.3, and with
 the 256 A rows of a stacked LoRA step (lora_core/stacked_a.py), where
 cublasGemmEx's pick is worst, 15.6 -> 12.6 and 39.8 -> 33.0. From 24 to 64

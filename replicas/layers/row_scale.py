@@ -4,7 +4,7 @@ RMSNorm gives y = w * h / rms(h), rms over the whole row. Its LoRA kernel
 (replicas/kernels/lora_norm.py) splits each row over many programs to read the
 pending expand's B at full width, so the row's rms is known only when all its
 programs are done: the last one to arrive made a second, serial pass over the
-row (~1.5 us per site on an H200, bench/RESULTS.md eighteenth session). A
+row (~1.5 us per site on an H200). A
 linear layer without biases commutes with a per-row factor (W (c x) = c W x,
 the LoRA shrink and expand too), so the norm can write w * h and the row's
 sum-of-squares parts instead, and the op that reads the layer's output next
