@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -126,7 +126,6 @@ AUTOSCALE_COLUMNS = [("policy", "{:<20}", 20), ("slo", "{:>7.4f}", 7), ("goodput
                      ("changes", "{:>7}", 7), ("lost", "{:>5}", 5)]
 
 
-
 def autoscaling_yaml(lo: int, hi: int, initial: int, look_back_s: float, scaler: dict, max_num_seqs: int) -> str:
     """The adapter-aware run's settings as deploy/config.gpu.yaml's replica.autoscaling_config."""
     # The simulated replicas report max_num_seqs; the deployment's engine may report more, so it is pinned here.
