@@ -98,11 +98,13 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, book: Book,
             outcome = "refused"
     if probe and outcome == "completed":
         sources = book.sources_during(sent)
-        if sources is not None and sources <= set(probes.reference):
+        # A target no probe knows (a broken adapter a re-point must refuse) cannot match: it stays out of the
+        # texts, so that an answer with its weights counts as wrong.
+        if sources is not None and sent.uri in probes.reference:
             fixed = model in book.fixed
             probes.control += fixed
             probes.checked += not fixed
-            if text not in {probes.reference[s] for s in sources}:
+            if text not in {probes.reference[s] for s in sources if s in probes.reference}:
                 probes.control_wrong += fixed
                 probes.wrong += not fixed
                 if not fixed:
@@ -178,7 +180,7 @@ async def admin_call(client: httpx.AsyncClient, book: Book, kind: str, name: str
                      want: int) -> tuple[bool, str | None]:
     """One load / re-point (path) or unload (path None) of name; (answered as wanted, why not). The book records
     the call's window and, on 200, the name's new source."""
-    book.begin(name, kind)
+    token = book.begin(name, kind, path)
     ok = False
     try:
         if path is None:
@@ -193,4 +195,4 @@ async def admin_call(client: httpx.AsyncClient, book: Book, kind: str, name: str
     except (httpx.HTTPError, ValueError) as exc:
         return False, f"{kind} {name} -> {path}: {exc!r} (outcome unknown)"
     finally:
-        book.end(name, kind, path, ok)
+        book.end(name, kind, path, ok, token)

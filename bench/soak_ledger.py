@@ -5,7 +5,9 @@ Expectations follow the client's own ordering: a request's expected status is fi
 registered (by a load whose 200 came back) and not being loaded or unloaded anywhere between the request's
 send and its answer must answer 200; a name unloaded (the unload's 200 came back) or never registered must
 answer 404 under the same condition. A load or unload of the name that overlaps the request makes either
-answer right. A re-point, refused or not, never does: the name serves throughout.
+answer right. A re-point, refused or not, never does: the name serves throughout. A re-point's target may
+answer from the moment the re-point goes out (the server may switch before its 200 reaches the client), so a
+request that overlaps a re-point may get the old source or the new one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class Name:
     flips: int = 0  # loads of an unregistered name and unloads started so far
     flipping: int = 0  # ... of which still waiting for their answer
     repoints: int = 0  # re-points (refused or not) started so far
+    targets: list[str] = field(default_factory=list)  # ... their targets, in the order they went out
+    open_repoints: list[int] = field(default_factory=list)  # ... the indices of those still waiting for an answer
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Sent:
     flips: int
     flipping: bool
     repoints: int
+    repointing: tuple[str, ...] = ()  # targets of the name's re-points in flight when the request went out
 
 
 class Book:
@@ -54,26 +59,34 @@ class Book:
         managed = {n: s.uri for n, s in self.names.items() if s.uri is not None}
         return {**{n: u for n, u in self.fixed.items() if u is not None}, **managed}
 
-    def begin(self, name: str, kind: str) -> None:
-        """An admin call on name goes out. kind: load (of an unregistered name), unload, repoint."""
+    def begin(self, name: str, kind: str, uri: str | None = None) -> int:
+        """An admin call on name goes out (kind: load of an unregistered name, unload, repoint to uri); returns
+        the call's token for end()."""
         state = self.names.setdefault(name, Name())
         if kind == "repoint":
             state.repoints += 1
+            state.targets.append(uri)
+            state.open_repoints.append(len(state.targets) - 1)
+            return len(state.targets) - 1
         else:
             state.flips += 1
             state.flipping += 1
+            return -1
 
-    def end(self, name: str, kind: str, uri: str | None, ok: bool) -> None:
+    def end(self, name: str, kind: str, uri: str | None, ok: bool, token: int = -1) -> None:
         """Its answer came back: ok (200) sets the name's source to uri (None: unloaded); a refusal keeps it."""
         state = self.names[name]
-        if kind != "repoint":
+        if kind == "repoint":
+            state.open_repoints.remove(token)
+        else:
             state.flipping -= 1
         if ok:
             state.uri = uri
 
     def sent(self, name: str) -> Sent:
         state = self.names.get(name, Name())
-        return Sent(name, self.uri(name), state.flips, state.flipping > 0, state.repoints)
+        return Sent(name, self.uri(name), state.flips, state.flipping > 0, state.repoints,
+                    tuple(state.targets[i] for i in state.open_repoints))
 
     def expected(self, sent: Sent) -> int | None:
         """The status the request must get (200 or 404), or None where a load or unload overlapped it."""
@@ -85,13 +98,17 @@ class Book:
         return 200 if sent.uri is not None else 404
 
     def sources_during(self, sent: Sent) -> set[str] | None:
-        """Sources the answer may come from (a re-point overlapped it: old or new); None where unknown."""
+        """Sources the answer may come from, None where unknown: the one believed when the request went out, the
+        one believed at its answer (the same unless a re-point overlapped it), and the targets of re-points that
+        overlapped it (in flight when it went out, or sent before its answer), refused ones included: the client
+        could not know them refused while they were in flight."""
         now = self.uri(sent.name)
         if self.expected(sent) != 200 or now is None:
             return None
         state = self.names.get(sent.name)
-        moved = state is not None and state.repoints != sent.repoints
-        return {sent.uri, now} if moved else {sent.uri}
+        if state is None:
+            return {sent.uri}
+        return {sent.uri, now, *sent.repointing, *state.targets[sent.repoints:]}
 
 
 def error_shape_ok(body: Any, status: int | None = None) -> bool:

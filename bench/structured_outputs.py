@@ -82,8 +82,21 @@ def run(engine: LLMEngine, a, mode: str, seed: int) -> dict:
                                 structured_outputs=constraint if constrained else None)
         return [rng.randrange(len(SPECIALS), vocab) for _ in range(a.prompt)], params
 
-    return run_closed_loop(engine, make, a.requests, a.concurrency,
-                           {"fill": (engine.grammars, "token_masks"), "sample": (engine.sampler, "sample")})
+    # Rows whose mask a step filled: what the fill's time is spent on, counted so that a smoke run can check the
+    # modes apart without comparing times.
+    real, masked = engine.grammars.token_masks, [0]
+
+    def counting(grammars, pin):
+        masked[0] += sum(g is not None and not g.is_terminated for g in grammars)
+        return real(grammars, pin)
+
+    engine.grammars.token_masks = counting
+    try:
+        row = run_closed_loop(engine, make, a.requests, a.concurrency,
+                              {"fill": (engine.grammars, "token_masks"), "sample": (engine.sampler, "sample")})
+    finally:
+        engine.grammars.token_masks = real
+    return {**row, "masked_rows": masked[0]}
 
 
 def main() -> None:
@@ -132,14 +145,14 @@ def main() -> None:
           f"{'tiny' if a.tiny else '8B'}; tokenizer {engine.tokenizer.vocab_size} tokens (trained in {trained:.1f} s); "
           f"first structured request's set-up {first_use:.2f} s")
     print(f"{'mode':6} {'tokens':>7} {'wall s':>8} {'tok/s':>9} {'tpot p50':>9} {'fill/step':>10} "
-          f"{'sample/step':>12} {'step() host':>12} {'steps':>6} {'full decode':>12} {'steps':>6}")
+          f"{'sample/step':>12} {'step() host':>12} {'steps':>6} {'full decode':>12} {'steps':>6} {'masked rows':>12}")
     med = {}
     for mode in modes:
         runs = results[mode]
         med[mode] = m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"{mode:6} {m['tokens']:7.0f} {m['wall']:8.2f} {m['tok_s']:9.1f} {m['tpot_ms']:7.2f}ms "
               f"{m['fill_ms']:8.3f}ms {m['sample_ms']:10.3f}ms {m['step_ms']:10.3f}ms {m['steps']:6.0f} "
-              f"{m['decode_ms']:10.3f}ms {m['decode_steps']:6.0f}")
+              f"{m['decode_ms']:10.3f}ms {m['decode_steps']:6.0f} {m['masked_rows']:12.0f}")
     f = med["free"]
     for mode in modes[1:]:
         m = med[mode]

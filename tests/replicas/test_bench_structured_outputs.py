@@ -1,5 +1,5 @@
 """bench/structured_outputs.py --tiny runs end to end on CPU (its own process, the real command line): each mode
-prints a row, and only the constrained modes spend host time filling masks. Times are not compared; the GPU
+prints a row, and only the constrained modes fill masks (rows counted). Times are not compared; the GPU
 run (Llama-3-8B shape) is recorded in bench/RESULTS.md."""
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ def test_every_mode_runs_and_only_constrained_ones_fill_masks(tmp_path):
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
             if line.split()[:1] in (["free"], ["half"], ["json"]) and "/" not in line}
     assert set(rows) == {"free", "half", "json"}
-    fill = {mode: float(row[4].removesuffix("ms")) for mode, row in rows.items()}
-    assert fill["json"] > 5 * fill["free"] and fill["half"] > 5 * fill["free"]
+    # Which rows had a mask filled, counted: none unconstrained, every row of every step in json. (A ratio of the
+    # fill's times once stood here and failed on a loaded CI machine: times are the benchmark's to compare.)
+    masked = {mode: int(row[-1]) for mode, row in rows.items()}
+    assert masked["free"] == 0 < masked["half"] < masked["json"], masked
     assert all(int(row[0]) > 0 for row in rows.values())  # tokens generated in every mode
     assert "json / free: tok/s" in proc.stdout
