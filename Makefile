@@ -20,8 +20,9 @@ install: $(VENV)/.installed
 
 # -rs prints every skip's reason; --strict-skips (tests/skip_gate.py) fails the run on any skip but a gpu
 # test's on a machine without CUDA, so a missing dependency or server binary cannot pass as a green skip.
+# --durations=25 lists the slowest tests, so that CI's log shows where its time goes (the aim: under 20 min).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -rs --strict-skips -p no:cacheprovider tests
+	$(PY) -m pytest -q -rs --strict-skips -p no:cacheprovider --durations=25 tests
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/serve run deploy/config.yaml
