@@ -4,6 +4,8 @@ The app as deploy/config.yaml runs it (ingress, AdapterAffinityRouter, the share
 SeaweedFS and replicas whose engines wait the replica model's time instead of computing
 (cluster/simulator/emulated.py), so eight fit on a 2-core machine. A trace of cluster.simulator.workload is replayed
 open loop through the ingress's Python handle, streaming; times are reported in modeled seconds (wall / time factor).
+With routing "ray-multiplex" the same replicas sit behind Ray Serve's default router with model multiplexing, and
+each replica downloads an adapter from the origin on its first use (cluster/simulator/emulated_replica.py).
 """
 
 from __future__ import annotations
@@ -107,6 +109,24 @@ def upload_adapters(endpoint: str, env: dict[str, str], names: list[str], bucket
     return {name: f"s3://{bucket}/{name}" for name in names}
 
 
+# Serve's router timings in wall seconds (ray/serve/_private/constants.py defaults): how long it waits for a replica's
+# queue length, how long a multiplexed request waits for a replica holding its model, its retry backoff.
+SERVE_ROUTER_TIMES = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": 0.1,
+                      "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": 1.0,
+                      "RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": 10.0,
+                      "RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S": 1.0,
+                      "RAY_SERVE_ROUTER_RETRY_INITIAL_BACKOFF_S": 0.025,
+                      "RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S": 0.5}
+
+
+def serve_router_times(time_factor: float) -> dict[str, str]:
+    """SERVE_ROUTER_TIMES x time_factor, as env vars: the emulated cluster runs time_factor times slower than a GPU
+    host, so Serve's own waits scale with it, as the router's stats period and pending TTL do. Unscaled, a 2-core
+    machine's replicas missed the 0.1 s queue-length deadline, and Serve's default router backed off for tens of
+    seconds (3 replicas, 65% load: TTFT p50 2.4 modeled s against the simulator's 0.12)."""
+    return {name: repr(value * time_factor) for name, value in SERVE_ROUTER_TIMES.items()}
+
+
 @dataclasses.dataclass
 class EmulatedCluster:
     replicas: int = 8
@@ -120,25 +140,40 @@ class EmulatedCluster:
     # Serve's autoscaling_config for the replicas (in place of num_replicas = replicas); e.g. with
     # cluster.autoscaling:AdapterAwarePolicy as its policy.
     autoscaling: dict | None = None
+    routing: str = "ours"  # or "ray-multiplex" (max_num_models_per_replica: max_cpu_loras, as the simulator's)
+    max_num_models_per_replica: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.routing not in ("ours", "ray-multiplex"):
+            raise ValueError(f"routing must be 'ours' or 'ray-multiplex', got {self.routing!r}")
+
+    @property
+    def emulation_fields(self) -> dict:
+        """Emulation's fields for the replicas: Ray's loader downloads per replica."""
+        return {**self.emulation, "per_replica_origin": True} if self.routing == "ray-multiplex" else self.emulation
 
 
 def emulated_app(c: EmulatedCluster):
     from cluster.deployments import Ingress
-    from cluster.simulator.emulated_replica import EmulatedReplica
+    from cluster.simulator.emulated_replica import EmulatedReplica, MultiplexedIngress, multiplexed_replica
 
-    emulation = Emulation.from_dict(c.emulation)
+    emulation = Emulation.from_dict(c.emulation_fields)
     server = {"model": "demo", "engine": dict(max_lora_rank=64, **c.engine), "stream_interval_ms": 10_000}
     tier = {"name": EMULATED_TIER, "capacity_bytes": c.tier_capacity_bytes, "registry_dir": None}
-    router = RequestRouterConfig(request_router_class="cluster.router.AdapterAffinityRouter",
-                                 request_router_kwargs={"seed": c.seed, **c.router_kwargs},
-                                 request_routing_stats_period_s=c.stats_period_s)
     scale = {"num_replicas": c.replicas} if c.autoscaling is None else {"autoscaling_config": c.autoscaling}
-    replica = serve.deployment(EmulatedReplica, name="LoRAReplica").options(
-        **scale, max_ongoing_requests=emulation.max_ongoing, request_router_config=router,
-        ray_actor_options={"num_cpus": 0})
-    ingress = serve.deployment(Ingress, name="Ingress").options(max_ongoing_requests=4096,
-                                                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica.bind(server, tier, c.emulation), server, tier)
+    if c.routing == "ours":
+        replica_cls, ingress_cls = EmulatedReplica, Ingress
+        scale["request_router_config"] = RequestRouterConfig(
+            request_router_class="cluster.router.AdapterAffinityRouter",
+            request_router_kwargs={"seed": c.seed, **c.router_kwargs}, request_routing_stats_period_s=c.stats_period_s)
+    else:  # Serve's default router; its replica-to-models table refreshes on the replicas' own reports
+        models = c.max_num_models_per_replica or c.engine.get("max_cpu_loras", 32)
+        replica_cls, ingress_cls = multiplexed_replica(models), MultiplexedIngress
+    replica = serve.deployment(replica_cls, name="LoRAReplica").options(
+        **scale, max_ongoing_requests=emulation.max_ongoing, ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(ingress_cls, name="Ingress").options(max_ongoing_requests=4096,
+                                                                    ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(server, tier, c.emulation_fields), server, tier)
 
 
 def emulated_replica_stats() -> list[dict]:
@@ -187,11 +222,11 @@ def emulated_serve(c: EmulatedCluster, endpoint: str, env: dict[str, str], names
     from cluster.sources import SourceSettings
     from replicas.demo_checkpoint import ensure_demo_checkpoint
 
-    emulation = Emulation.from_dict(c.emulation)
+    emulation = Emulation.from_dict(c.emulation_fields)
     uris = upload_adapters(endpoint, env, names, bucket)
     demo_root = str(Path(next(iter(ensure_demo_checkpoint().adapters.values()))).parent)  # replicas register these
     ray.init(include_dashboard=False, log_to_driver=False, namespace="lorafleet-bench",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **serve_router_times(emulation.time_factor)}})
     try:
         serve.start(proxy_location="Disabled")
         # The replicas find the tier by name (in this job's namespace): made here first, with the modeled origin.
@@ -199,7 +234,8 @@ def emulated_serve(c: EmulatedCluster, endpoint: str, env: dict[str, str], names
             EMULATED_TIER, detached=True, runtime_env={"env_vars": env},
             capacity_bytes=c.tier_capacity_bytes,
             parse_uri=ModeledOrigin(SourceSettings(s3_endpoint_url=endpoint, allowed_local_roots=[demo_root]),
-                                    emulation.origin_wall_s()))
+                                    # Ray's replicas pay the origin in their engines (per_replica_origin)
+                                    0.0 if emulation.per_replica_origin else emulation.origin_wall_s()))
         ray.get([tier.register.remote(name, uri) for name, uri in uris.items()])  # fetched on first use
         t0 = time.perf_counter()
         handle = serve.run(emulated_app(c), name=EMULATED_APP, route_prefix=None)
@@ -231,21 +267,27 @@ def run_emulated(trace, c: EmulatedCluster, endpoint: str, env: dict[str, str], 
     def total(stats: list[dict], key: str) -> float:
         return sum(s["emulated"].get(key, 0) for s in stats)
 
-    return dict(results=results, wall_s=wall, stats=after, tier_actors=tiers,
-                origin_fetches=tier_after["origin_fetches"] - tier_before["origin_fetches"],
+    origin = (total(after, "origin_downloads") - total(before, "origin_downloads")
+              if c.routing == "ray-multiplex" else tier_after["origin_fetches"] - tier_before["origin_fetches"])
+    return dict(results=results, wall_s=wall, stats=after, tier_actors=tiers, origin_fetches=origin,
                 host_loads=total(after, "host_loads") - total(before, "host_loads"),
                 slot_loads=total(after, "slot_loads") - total(before, "slot_loads"),
                 late_max_s=max((s["emulated"].get("late_max_s", 0.0) for s in after), default=0.0),
                 late_mean_s=total(after, "late_sum_s") / max(1.0, total(after, "events")))
 
 
-def emulated_summary(run: dict[str, Any], trace) -> dict[str, Any]:
-    """The simulator Report.summary()'s figures for an emulated run, plus throughput (req/s, modeled)."""
-    from cluster.simulator.metrics import percentile
+def emulated_summary(run: dict[str, Any], trace, slo=None) -> dict[str, Any]:
+    """The simulator Report.summary()'s figures for an emulated run (SLO attainment and goodput against slo, a
+    cluster.simulator SLO, its defaults if None), plus throughput (req/s, modeled)."""
+    from cluster.simulator.metrics import SLO, percentile
 
+    slo = slo or SLO()
     done = [r for r in run["results"] if r.get("error") is None]
     span = max((r["finish"] for r in done), default=0.0) - (trace[0].arrival_s if trace else 0.0)
+    met = sum(slo.met(r["ttft"], r["tpot"]) for r in done)
+    arrivals = trace[-1].arrival_s if trace else 0.0  # the simulator's goodput span
     return dict(requests=len(trace), completed=len(done), errors=len(trace) - len(done),
+                slo=met / max(len(trace), 1), goodput=met / arrivals if arrivals > 0 else float("nan"),
                 ttft_p50=percentile([r["ttft"] for r in done], 50), ttft_p99=percentile([r["ttft"] for r in done], 99),
                 tpot_p50=percentile([r["tpot"] for r in done], 50), tpot_p99=percentile([r["tpot"] for r in done], 99),
                 throughput=len(done) / span if span > 0 else float("nan"), origin=run["origin_fetches"],

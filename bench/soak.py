@@ -3,7 +3,7 @@ killed every few minutes; at the end, what failed, whether replica memory stayed
 is consistent everywhere. Exits 1 when a hard check fails.
 
     python bench/soak.py                                   # 30 minutes, a kill every 4 minutes
-    python bench/soak.py --duration-s 150 --kill-every-s 50 --out /tmp/soak   # CI's short form (~3.5 min)
+    python bench/soak.py --duration-s 110 --kill-every-s 40 --out /tmp/soak   # CI's short form (~3 min)
 
 It starts its own local Ray (--num-cpus) and the app of deploy/config.yaml with --replicas fixed replicas
 (bench/soak_cluster.py), then runs for --duration-s:

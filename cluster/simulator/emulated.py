@@ -56,6 +56,9 @@ class Emulation:
     max_ongoing: int = 64  # Serve's max_ongoing_requests of the deployment (SimReplica accepts up to it)
     costs: TierCosts = field(default_factory=TierCosts)
     same_node: bool = True  # on the tier's node: a host load reads the object store without the network
+    # Ray Serve LLM's loader: a replica's first use of an adapter downloads it from the origin to its own disk
+    # (the simulator's PerReplicaDownload); the shared tier then only stands in for the bytes.
+    per_replica_origin: bool = False
 
     def __post_init__(self) -> None:
         if not self.time_factor > 0:
@@ -158,6 +161,8 @@ class EmulatedEngine:
         self._requests: dict[str, SimRequest] = {}  # by request_id
         self._rids = itertools.count()
         self._closed = False
+        self._downloaded: set[str] = set()  # per_replica_origin: adapters on this replica's disk
+        self.origin_downloads = 0
 
     @property
     def is_running(self) -> bool:
@@ -180,7 +185,12 @@ class EmulatedEngine:
         """A host load: the adapter's bytes read into the host tier from the object store (or node-local disk)."""
         nbytes = self.model.adapter_bytes(rank)
         cost = self.emulation.costs.local_load_s(nbytes)
-        if not self.emulation.same_node:
+        if self.emulation.per_replica_origin:
+            if adapter not in self._downloaded:  # else read from this replica's disk
+                self._downloaded.add(adapter)
+                self.origin_downloads += 1
+                cost += self.emulation.costs.origin_s(nbytes)
+        elif not self.emulation.same_node:
             cost += self.emulation.costs.remote_read_s(nbytes)
         self.clock.after(cost, done)
 
@@ -300,8 +310,10 @@ class EmulatedEngine:
                 s.queue.put_nowait(RequestAbortedError("the engine was shut down before the request finished"))
 
     def counters(self) -> dict[str, float]:
-        """SimReplica's counters (host and slot loads, steps, busy and load-wait seconds) and the clock's lag."""
+        """SimReplica's counters (host and slot loads, steps, busy and load-wait seconds), the origin downloads
+        (per_replica_origin) and the clock's lag."""
         out = dataclasses.asdict(self.replica.counters) if self.replica else {}
+        out["origin_downloads"] = self.origin_downloads
         if self.clock is not None:
             out.update(events=self.clock.events_run, late_max_s=self.clock.late_max_s,
                        late_sum_s=self.clock.late_sum_s)

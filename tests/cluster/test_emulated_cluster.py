@@ -138,3 +138,68 @@ def test_a_small_emulated_cluster_answers_every_request_and_its_counters_agree(s
     assert sum(events.values()) == sum(1 for r in trace if r.adapter)  # one per adapter request: gpu, host or load
     assert events["object_store"] >= len(distinct)
     assert run["host_loads"] >= events["object_store"] and run["slot_loads"] >= len(distinct)
+
+
+def test_ray_loader_emulation_downloads_once_per_replica_and_reads_its_disk_after():
+    """Emulation.per_replica_origin (the simulator's PerReplicaDownload): three adapters through a host tier of two,
+    in turn and then the first again: four host loads, three origin downloads (the fourth reads the disk)."""
+    from cluster.simulator.emulated import EmulatedEngine, Emulation
+    from lora_core.request import LoRARequest
+    from replicas.demo_checkpoint import ensure_demo_checkpoint
+    from replicas.engine_args import EngineArgs
+
+    args = EngineArgs(model=str(ensure_demo_checkpoint().model_dir), enable_lora=True, max_loras=1, max_cpu_loras=2,
+                      max_num_seqs=4, max_lora_rank=64)
+
+    async def go(per_replica_origin: bool) -> dict:
+        engine = EmulatedEngine(args, Emulation(time_factor=0.01, per_replica_origin=per_replica_origin))
+        loras = [LoRARequest(f"a{i}#{i + 1}", i + 1, "/unused") for i in range(3)]
+        for lora in loras:
+            await engine.add_lora(lora)
+        for k, i in enumerate((0, 1, 2, 0)):
+            async for _ in engine.generate({"prompt_token_ids": [7] * 8}, {"max_tokens": 2}, f"r{k}", loras[i]):
+                pass
+        counters = engine.counters()
+        await engine.shutdown()
+        return counters
+
+    ray_like, ours = asyncio.run(go(True)), asyncio.run(go(False))
+    assert ray_like["host_loads"] == ours["host_loads"] == 4
+    assert ray_like["origin_downloads"] == 3 and ours["origin_downloads"] == 0
+
+
+def test_the_multiplexed_ingress_names_each_calls_adapter_as_its_model_id():
+    """MultiplexedIngress's handle wrapper: an adapter request carries multiplexed_model_id = the adapter, a base
+    model request an empty one; the caller's own options (stream) are kept, and other methods pass through."""
+    from cluster.server import GenerateRequest
+    from cluster.simulator.emulated_replica import _MultiplexedCalls
+
+    calls = []
+
+    class Handle:
+        def __init__(self, options=None):
+            self.opts = options or {}
+
+        def options(self, **kw):
+            return Handle({**self.opts, **kw})
+
+        @property
+        def generate(self):
+            handle = self
+
+            class Method:
+                @staticmethod
+                def remote(request):
+                    calls.append((handle.opts, request.model))
+                    return "stream"
+
+            return Method()
+
+        models = "models-method"
+
+    wrapped = _MultiplexedCalls(Handle(), "base")
+    assert wrapped.options(stream=True).generate.remote(GenerateRequest("ad-1", {})) == "stream"
+    wrapped.options(stream=True).generate.remote(GenerateRequest("base", {}))
+    assert calls == [({"stream": True, "multiplexed_model_id": "ad-1"}, "ad-1"),
+                     ({"stream": True, "multiplexed_model_id": ""}, "base")]
+    assert wrapped.models == "models-method"
