@@ -153,9 +153,69 @@ class EmulatedCluster:
         return {**self.emulation, "per_replica_origin": True} if self.routing == "ray-multiplex" else self.emulation
 
 
+# ---- Ray Serve's own routing, for the simulator's "ray-multiplex" -----------------------------------------------
+# The emulated replicas behind Serve's default router with model multiplexing: a request's adapter goes through
+# @serve.multiplexed, so each replica reports the adapters it holds, and the ingress sets each call's
+# multiplexed_model_id, as a Ray Serve LLM app does. The engines download each adapter from the origin on first use
+# (Emulation.per_replica_origin). Here rather than in cluster/simulator/, whose modules import no Ray of their own.
+
+class _MultiplexedCalls:
+    """A replica deployment handle whose generate calls carry their adapter as multiplexed_model_id."""
+
+    def __init__(self, handle: Any, base_model: str, options: dict | None = None) -> None:
+        self._handle, self._base, self._options = handle, base_model, options or {}
+
+    def options(self, **options: Any) -> "_MultiplexedCalls":
+        return _MultiplexedCalls(self._handle, self._base, {**self._options, **options})
+
+    @property
+    def generate(self) -> Any:
+        outer = self
+
+        class _Method:
+            @staticmethod
+            def remote(request):
+                model_id = "" if request.model == outer._base else request.model
+                return outer._handle.options(**outer._options, multiplexed_model_id=model_id).generate.remote(request)
+
+        return _Method()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle.options(**self._options) if self._options else self._handle, name)
+
+
+def multiplexed_classes(max_models: int) -> tuple[type, type]:
+    """(replica, ingress) deployment classes for Ray Serve's routing. The replica is EmulatedReplica with each
+    request's adapter taken through @serve.multiplexed(max_num_models_per_replica=max_models): Serve's default
+    router then prefers the replicas that report the adapter (its MultiplexMixin), and a replica drops its least
+    recently used model id past max_models; loading stays LoRAServer's (and the engine's LRUs). The ingress is the
+    app's, calling the replicas with each request's adapter as its multiplexed_model_id."""
+    from cluster.deployments import Ingress
+    from cluster.simulator.emulated_replica import EmulatedReplica
+
+    class MultiplexedEmulatedReplica(EmulatedReplica):
+        @serve.multiplexed(max_num_models_per_replica=max_models)
+        async def _model(self, model_id: str) -> str:
+            return model_id
+
+        async def generate(self, request):
+            model_id = serve.get_multiplexed_model_id()
+            if model_id:
+                await self._model(model_id)
+            async for item in super().generate(request):
+                yield item
+
+    class MultiplexedIngress(Ingress):
+        async def __init__(self, replicas, server: dict[str, Any], tier: dict[str, Any]) -> None:
+            await super().__init__(replicas, server, tier)  # Serve's ingress wrapper makes the parent's async
+            self.backend.replicas = _MultiplexedCalls(self.backend.replicas, self.backend.model_name)
+
+    return MultiplexedEmulatedReplica, MultiplexedIngress
+
+
 def emulated_app(c: EmulatedCluster):
     from cluster.deployments import Ingress
-    from cluster.simulator.emulated_replica import EmulatedReplica, MultiplexedIngress, multiplexed_replica
+    from cluster.simulator.emulated_replica import EmulatedReplica
 
     emulation = Emulation.from_dict(c.emulation_fields)
     server = {"model": "demo", "engine": dict(max_lora_rank=64, **c.engine), "stream_interval_ms": 10_000}
@@ -168,7 +228,7 @@ def emulated_app(c: EmulatedCluster):
             request_router_kwargs={"seed": c.seed, **c.router_kwargs}, request_routing_stats_period_s=c.stats_period_s)
     else:  # Serve's default router; its replica-to-models table refreshes on the replicas' own reports
         models = c.max_num_models_per_replica or c.engine.get("max_cpu_loras", 32)
-        replica_cls, ingress_cls = multiplexed_replica(models), MultiplexedIngress
+        replica_cls, ingress_cls = multiplexed_classes(models)
     replica = serve.deployment(replica_cls, name="LoRAReplica").options(
         **scale, max_ongoing_requests=emulation.max_ongoing, ray_actor_options={"num_cpus": 0})
     ingress = serve.deployment(ingress_cls, name="Ingress").options(max_ongoing_requests=4096,

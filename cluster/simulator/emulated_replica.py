@@ -6,12 +6,6 @@ EmulatedReplica is cluster.deployments.LoRAReplica with EmulatedServer, which is
 AdapterAffinityRouter reading record_routing_stats, LoRAServer's adapter loads through TierCatalog and the shared
 tier actor). bench/emulated_cluster.py builds the app; bench/fidelity.py checks the simulator against it.
 
-For Ray Serve's own routing side by side (the simulator's "ray-multiplex"), `multiplexed_replica` is the same
-replica behind Serve's default router with model multiplexing: its requests' adapters go through
-@serve.multiplexed, so each replica reports the adapters it holds, and `MultiplexedIngress` sets each call's
-multiplexed_model_id, as a Ray Serve LLM app does. Its engines download each adapter from the origin on first use
-(Emulation.per_replica_origin).
-
 Unlike the rest of cluster/simulator/, these import Ray (through cluster.deployments); `import cluster.simulator`
 does not import them.
 """
@@ -24,10 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ray import serve
-
 from cluster.autoscaling import RecentAdapters
-from cluster.deployments import Ingress, LoRAReplica, _replica_id, _tier
+from cluster.deployments import LoRAReplica, _replica_id, _tier
 from cluster.replica_metrics import get_or_create_metrics_board
 from cluster.server import LoRAServer
 from cluster.server_config import ServerConfig
@@ -75,59 +67,6 @@ class EmulatedReplica(LoRAReplica):
         stats = await super().record_routing_stats()
         stats["emulated"] = self.server.engine.counters()
         return stats
-
-
-def multiplexed_replica(max_models: int) -> type:
-    """EmulatedReplica whose requests' adapters go through @serve.multiplexed(max_num_models_per_replica=max_models):
-    Serve's default router then prefers the replicas that report the adapter (its MultiplexMixin), and a replica
-    drops its least recently used model id past max_models. Loading stays LoRAServer's (and the engine's LRUs)."""
-
-    class MultiplexedEmulatedReplica(EmulatedReplica):
-        @serve.multiplexed(max_num_models_per_replica=max_models)
-        async def _model(self, model_id: str) -> str:
-            return model_id
-
-        async def generate(self, request):
-            model_id = serve.get_multiplexed_model_id()
-            if model_id:
-                await self._model(model_id)
-            async for item in super().generate(request):
-                yield item
-
-    return MultiplexedEmulatedReplica
-
-
-class _MultiplexedCalls:
-    """A replica deployment handle whose generate calls carry their adapter as multiplexed_model_id."""
-
-    def __init__(self, handle: Any, base_model: str, options: dict | None = None) -> None:
-        self._handle, self._base, self._options = handle, base_model, options or {}
-
-    def options(self, **options: Any) -> "_MultiplexedCalls":
-        return _MultiplexedCalls(self._handle, self._base, {**self._options, **options})
-
-    @property
-    def generate(self) -> Any:
-        outer = self
-
-        class _Method:
-            @staticmethod
-            def remote(request):
-                model_id = "" if request.model == outer._base else request.model
-                return outer._handle.options(**outer._options, multiplexed_model_id=model_id).generate.remote(request)
-
-        return _Method()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handle.options(**self._options) if self._options else self._handle, name)
-
-
-class MultiplexedIngress(Ingress):
-    """The app's Ingress, calling the replicas with each request's adapter as its multiplexed_model_id."""
-
-    async def __init__(self, replicas, server: dict[str, Any], tier: dict[str, Any]) -> None:
-        await super().__init__(replicas, server, tier)  # Serve's ingress wrapper makes the parent's async
-        self.backend.replicas = _MultiplexedCalls(self.backend.replicas, self.backend.model_name)
 
 
 @dataclass

@@ -169,10 +169,11 @@ def test_ray_loader_emulation_downloads_once_per_replica_and_reads_its_disk_afte
 
 
 def test_the_multiplexed_ingress_names_each_calls_adapter_as_its_model_id():
-    """MultiplexedIngress's handle wrapper: an adapter request carries multiplexed_model_id = the adapter, a base
+    """The Ray-routing ingress's handle wrapper (bench/emulated_cluster.py): an adapter request carries multiplexed_model_id = the adapter, a base
     model request an empty one; the caller's own options (stream) are kept, and other methods pass through."""
+    sys.path.insert(0, str(ROOT))
+    from bench.emulated_cluster import _MultiplexedCalls
     from cluster.server import GenerateRequest
-    from cluster.simulator.emulated_replica import _MultiplexedCalls
 
     calls = []
 
