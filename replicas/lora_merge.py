@@ -11,7 +11,7 @@ costs. On by default on CUDA (EngineArgs.lora_merge_steps), within these limits:
   everywhere, and the error would grow with every switch). A merge keeps the adapter's factors and the base
   value of each element the subtraction would not restore (lora_core/merge.py: found by running that very
   subtraction at merge time), in at most MAX_UNDO_SHARE of a copy's bytes; an adapter that would need more
-  is not merged. (Until the twentieth session a full copy of the weights was kept: the model's size again.)
+  is not merged. (A full copy of the weights, kept by an earlier version, cost the model's size again.)
 - Numerics: a merged step rounds W + B A into the weights' dtype once, as
   PEFT's merge_and_unload does; the LoRA path adds x A B to x W. Greedy tokens
   can differ where two logits tie within that rounding.

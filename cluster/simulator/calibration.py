@@ -7,12 +7,11 @@ adapter alone costs nothing extra because the engine merges it into the base
 weights (RESULTS: one-r16 0.02-0.03 ms over base). Every coefficient is kept
 >= 0, so a step never gets cheaper by adding work: the bound relies on that.
 
-Sources (bench/RESULTS.md), 8B shape, bfloat16, closed loop of 32, max_loras 32,
-prompts and outputs uniform in 8..512 tokens:
-  H200: thirty-fourth session section 4 and twenty-fifth session sections 5
-        and 7 (dec ms per scenario), the async-scheduling section (base decode
-        at batch 32 and 64: the per-sequence slope a);
-  H100: twenty-fifth session section 6 (dec ms, base 7.29 ms, 3,183 tok/s).
+Sources: `python bench/engine.py` on the lent GPUs (8B shape, bfloat16, closed loop of 32, max_loras 32,
+prompts and outputs uniform in 8..512 tokens), its figures copied into ROWS below so that the fit needs no log:
+  H200: decode ms per scenario, and base decode at batch 32 and 64 with async scheduling (the per-sequence
+        slope a);
+  H100: decode ms per scenario (base 7.29 ms, 3,183 tok/s).
 The #ad of an H100 row is the H200 row's for the same scenario (the workload
 is the same; the H100 table does not print it). The prompt cost b is what the
 base rows' tok/s leaves after their decode steps (an effective figure: it
