@@ -40,6 +40,7 @@ from replicas.sampling_params import SamplingParams
 from cluster.simulator.calibration import TierCosts
 from cluster.simulator.emulated_view import EngineView
 from cluster.simulator.replica import ReplicaConfig, SimReplica, SimRequest
+from cluster.simulator.tiers import PerReplicaDownload
 from cluster.simulator.sim import step_model
 from cluster.simulator.workload import Request
 
@@ -161,8 +162,7 @@ class EmulatedEngine:
         self._requests: dict[str, SimRequest] = {}  # by request_id
         self._rids = itertools.count()
         self._closed = False
-        self._downloaded: set[str] = set()  # per_replica_origin: adapters on this replica's disk
-        self.origin_downloads = 0
+        self._downloads: PerReplicaDownload | None = None  # per_replica_origin: the simulator's own loader
 
     @property
     def is_running(self) -> bool:
@@ -174,6 +174,8 @@ class EmulatedEngine:
             raise EngineDeadError("the engine was shut down")
         if self.replica is None:
             self.clock = RealtimeLoop(self.emulation.time_factor)
+            if self.emulation.per_replica_origin:
+                self._downloads = PerReplicaDownload(self.clock, self.model, self.emulation.costs)
             self.replica = _EngineReplica(0, 0, self.config, self.model, self.emulation.costs, self.clock,
                                           self._fetch, self._finished, on_first_token=self._first_token)
         elif asyncio.get_running_loop() is not self.clock.loop:
@@ -183,14 +185,12 @@ class EmulatedEngine:
 
     def _fetch(self, replica: SimReplica, adapter: str, rank: int, done: Callable[[], None]) -> None:
         """A host load: the adapter's bytes read into the host tier from the object store (or node-local disk)."""
+        if self._downloads is not None:  # the origin on this replica's first use, then its disk
+            self._downloads.fetch(replica, adapter, rank, done)
+            return
         nbytes = self.model.adapter_bytes(rank)
         cost = self.emulation.costs.local_load_s(nbytes)
-        if self.emulation.per_replica_origin:
-            if adapter not in self._downloaded:  # else read from this replica's disk
-                self._downloaded.add(adapter)
-                self.origin_downloads += 1
-                cost += self.emulation.costs.origin_s(nbytes)
-        elif not self.emulation.same_node:
+        if not self.emulation.same_node:
             cost += self.emulation.costs.remote_read_s(nbytes)
         self.clock.after(cost, done)
 
@@ -313,7 +313,7 @@ class EmulatedEngine:
         """SimReplica's counters (host and slot loads, steps, busy and load-wait seconds), the origin downloads
         (per_replica_origin) and the clock's lag."""
         out = dataclasses.asdict(self.replica.counters) if self.replica else {}
-        out["origin_downloads"] = self.origin_downloads
+        out["origin_downloads"] = self._downloads.counters.origin_fetches if self._downloads else 0
         if self.clock is not None:
             out.update(events=self.clock.events_run, late_max_s=self.clock.late_max_s,
                        late_sum_s=self.clock.late_sum_s)
